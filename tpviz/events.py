@@ -1,0 +1,136 @@
+"""Events: the wire format between ranks and viewers.
+
+Picklable dataclasses; on disk one JSON object a line, `rank{r}.jsonl` in an events dir. Every
+event has `v` (format version), `type`, `rank` and `t` (Unix time, seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+VERSION = 1
+
+
+@dataclass
+class Event:
+    type: ClassVar[str] = "event"
+    rank: int
+    t: float
+    v: int = field(default=VERSION, kw_only=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "v": self.v,
+            "type": self.type,
+            **{k: v for k, v in asdict(self).items() if k != "v"},
+        }
+
+
+@dataclass
+class Phase(Event):
+    type: ClassVar[str] = "phase"
+    name: str
+
+
+@dataclass
+class UnitStart(Event):
+    type: ClassVar[str] = "unit_start"
+    module: str
+    bytes: int  # bytes this rank will hold for the unit
+    index: int  # 0-based position among the units
+    total: int  # number of units
+
+
+@dataclass
+class UnitDone(Event):
+    type: ClassVar[str] = "unit_done"
+    module: str
+    bytes: int
+    seconds: float
+    index: int
+    total: int
+
+
+@dataclass
+class Memory(Event):
+    type: ClassVar[str] = "memory"
+    rss: int
+    rss_anon: int | None
+    tensor_bytes: int
+    cuda_allocated: int | None = None
+    cuda_reserved: int | None = None
+
+
+@dataclass
+class Error(Event):
+    type: ClassVar[str] = "error"
+    message: str
+    module: str | None = None
+    file: str | None = None
+    traceback: str = ""
+
+
+@dataclass
+class Done(Event):
+    type: ClassVar[str] = "done"
+    result: dict[str, Any]  # the rank's entry of the load JSON
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.type: cls for cls in (Phase, UnitStart, UnitDone, Memory, Error, Done)
+}
+
+
+def from_dict(data: dict[str, Any]) -> Event:
+    cls = EVENT_TYPES.get(data.get("type", ""))
+    if cls is None:
+        raise ValueError(f"unknown event type {data.get('type')!r}")
+    if data.get("v") != VERSION:
+        raise ValueError(f"event format version {data.get('v')!r}; this tpviz reads {VERSION}")
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def encode(event: Event) -> str:
+    return json.dumps(event.to_dict(), separators=(",", ":"))
+
+
+def decode(line: str) -> Event:
+    return from_dict(json.loads(line))
+
+
+def events_file(directory: str | os.PathLike, rank: int) -> Path:
+    return Path(directory) / f"rank{rank}.jsonl"
+
+
+class JsonlTail:
+    """Follows the `rank*.jsonl` files of an events dir, returning complete new lines."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, str] = {}
+
+    def read_new(self) -> list[Event]:
+        out: list[Event] = []
+        for path in sorted(self.directory.glob("rank*.jsonl")):
+            with open(path, encoding="utf-8") as f:
+                f.seek(self._offsets.get(path, 0))
+                chunk = f.read()
+                self._offsets[path] = f.tell()
+            text = self._partial.pop(path, "") + chunk
+            lines = text.split("\n")
+            if lines[-1]:
+                self._partial[path] = lines[-1]  # a line still being written
+            out.extend(decode(line) for line in lines[:-1] if line.strip())
+        out.sort(key=lambda e: e.t)
+        return out
+
+
+def read_events_dir(directory: str | os.PathLike) -> list[Event]:
+    """Every event in an events dir, ordered by time."""
+    return JsonlTail(directory).read_new()

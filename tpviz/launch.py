@@ -1,0 +1,549 @@
+"""LoadJob: spawn the ranks, pump their events, run commands, cancel, and clean up.
+
+`launch()` returns at once; ranks start under the `spawn` start method with a file rendezvous
+in a private temp dir and loopback-only sockets. A pump thread multiplexes the ranks' pipes and
+process sentinels, so a rank that fails or dies ends the whole job within a fraction of a
+second, and ranks notice a dead launcher on their own (see runtime/worker.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import psutil
+import torch
+
+from .events import Done, Error, Event, Phase, UnitDone, UnitStart
+from .models import get_adapter, read_config
+from .plan import ResolvedPlan, forecast, resolve_plan
+from .runtime.loader import LoadOptions
+from .runtime.worker import WorkerSpec, run_rank
+
+FIXED_PROMPT = [[1, 5, 42, 7, 99, 3, 250, 17]]
+LAUNCHER = -1  # the `rank` of events the launcher itself makes
+TERMINATE_GRACE_SECONDS = 3.0
+
+
+class LoadError(RuntimeError):
+    """The job failed: names the rank, module and file where known."""
+
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        module: str | None = None,
+        file: str | None = None,
+        traceback: str = "",
+    ):
+        super().__init__(message)
+        self.rank, self.module, self.file, self.traceback = rank, module, file, traceback
+
+
+class MemoryForecastError(LoadError):
+    pass
+
+
+@dataclass
+class RankProgress:
+    units_done: int = 0
+    units_total: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    module: str | None = None
+    phase: str = "starting"
+    phase_times: dict[str, float] = field(default_factory=dict)
+
+
+def _close_all(procs: list, conns: list[Connection], tmp: str) -> None:
+    """End every rank (TERM, then KILL) and release pipes and the temp dir. Idempotent."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for p in procs:
+        p.close()
+    procs.clear()
+    for c in conns:
+        c.close()
+    conns.clear()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+class LoadJob:
+    """A running (or finished) load. Use it as a context manager, or call `shutdown()`."""
+
+    def __init__(
+        self,
+        plan: ResolvedPlan,
+        options: LoadOptions,
+        device: str = "cpu",
+        timeout: float | None = None,
+        verify: bool = False,
+        events_dir: str | os.PathLike | None = None,
+    ):
+        self.plan = plan
+        self.options = options
+        self.device = device
+        self.verify_requested = verify
+        self.state = "starting"  # -> loaded | failed | cancelled, then closed
+        self.error: LoadError | None = None
+        self.result: dict[str, Any] | None = None
+        self.progress = {r: RankProgress() for r in range(plan.world_size)}
+        self._events: list[Event] = []
+        self._subscribers: list[Callable[[Event], None]] = []
+        self._replies: dict[int, dict[int, tuple[bool, Any]]] = {}
+        self._done: dict[int, dict[str, Any]] = {}
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._started = time.time()
+        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout if timeout else None
+        self._tmp = tempfile.mkdtemp(prefix="tpviz-")  # private (0700): the rendezvous lives here
+        ctx = mp.get_context("spawn")
+        world = plan.world_size
+        spec = WorkerSpec(
+            plan=plan,
+            options=options,
+            device=device,
+            rendezvous=os.path.join(self._tmp, "rendezvous"),
+            parent_pid=os.getpid(),
+            threads=max(1, (os.cpu_count() or 1) // world),
+            timeout=timeout or 1800.0,
+            events_dir=str(events_dir) if events_dir else None,
+        )
+        self._procs: list = []
+        self._conns: list[Connection] = []
+        self._finalizer = weakref.finalize(self, _close_all, self._procs, self._conns, self._tmp)
+        for rank in range(world):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=run_rank, args=(rank, spec, child_end), name=f"tpviz-rank{rank}", daemon=True
+            )
+            proc.start()
+            child_end.close()
+            self._procs.append(proc)
+            self._conns.append(parent_end)
+        self._pump = threading.Thread(
+            target=_pump, args=(weakref.ref(self),), name="tpviz-pump", daemon=True
+        )
+        self._pump.start()
+
+    # --- events -----------------------------------------------------------------------------
+
+    @property
+    def events(self) -> list[Event]:
+        """Every event received so far."""
+        with self._cond:
+            return list(self._events)
+
+    def subscribe(
+        self, callback: Callable[[Event], None], replay: bool = True
+    ) -> Callable[[], None]:
+        """Call `callback(event)` (from the pump thread) for every event as it arrives; with
+        `replay`, first for those already received. Returns a function that unsubscribes."""
+        with self._cond:
+            self._subscribers.append(callback)
+            past = list(self._events) if replay else []
+        for event in past:
+            callback(event)
+
+        def unsubscribe() -> None:
+            with self._cond:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def _deliver(self, events: list[Event]) -> None:
+        with self._cond:
+            self._events.extend(events)
+            subscribers = list(self._subscribers)
+        for event in events:
+            for callback in subscribers:
+                try:
+                    callback(event)
+                except Exception:  # a broken viewer must not stop the job
+                    pass
+
+    def _launcher_event(self, name: str) -> None:
+        self._deliver([Phase(LAUNCHER, time.time(), name=name)])
+
+    # --- the pump ---------------------------------------------------------------------------
+
+    def _handle(self, rank: int, message: tuple) -> None:
+        kind = message[0]
+        if kind == "events":
+            batch = message[1]
+            for event in batch:
+                self._track(event)
+            self._deliver(batch)
+            for event in batch:
+                if isinstance(event, Error):
+                    where = f" loading {event.module}" if event.module else ""
+                    self._fail(
+                        LoadError(
+                            f"rank {rank} failed{where}: {event.message}",
+                            rank,
+                            event.module,
+                            event.file,
+                            event.traceback,
+                        )
+                    )
+                elif isinstance(event, Done):
+                    self._rank_done(rank, event.result)
+        elif kind == "reply":
+            _, command_id, ok, payload = message
+            with self._cond:
+                self._replies.setdefault(command_id, {})[rank] = (ok, payload)
+                self._cond.notify_all()
+
+    def _track(self, event: Event) -> None:
+        progress = self.progress.get(event.rank)
+        if progress is None:
+            return
+        if isinstance(event, Phase):
+            progress.phase = event.name
+            progress.phase_times[event.name] = event.t
+        elif isinstance(event, UnitStart):
+            progress.module = event.module
+            progress.units_total = event.total
+            if not progress.bytes_total:
+                progress.bytes_total = self.plan.per_rank_bytes[event.rank] - sum(
+                    t.ranks[event.rank].bytes for t in self.plan.params if t.origin == "computed"
+                )
+        elif isinstance(event, UnitDone):
+            progress.units_done = event.index + 1
+            progress.units_total = event.total
+            progress.bytes_done += event.bytes
+
+    def _rank_done(self, rank: int, entry: dict[str, Any]) -> None:
+        self._done[rank] = entry
+        if len(self._done) < self.plan.world_size:
+            return
+        ranks = [self._done[r] for r in range(self.plan.world_size)]
+        ready = [self.progress[r].phase_times.get("ready", self._started) for r in self.progress]
+        result: dict[str, Any] = {
+            "strategy": self.options.strategy,
+            "world_size": self.plan.world_size,
+            "dtype": self.plan.dtype,
+            "device": self.device,
+            "init": self.options.init,
+            "source": self.plan.source,
+            "startup_seconds": max(ready) - self._started,
+            "load_seconds": max(r["load_seconds"] for r in ranks),
+            "plan_matches_shards": all(r["plan_matches_shards"] for r in ranks),
+            "ranks": ranks,
+        }
+        if self.options.init == "random":
+            result["init_check"] = ranks[0]["init"]
+        if self.options.profile_dir:
+            result["profile"] = {
+                "dir": self.options.profile_dir,
+                "ranks": [r.get("profile") for r in ranks],
+            }
+        self.result = result
+        if self.verify_requested:
+            threading.Thread(
+                target=self._verify_then_ready, name="tpviz-verify", daemon=True
+            ).start()
+        else:
+            self._set_state("loaded")
+
+    def _verify_then_ready(self) -> None:
+        try:
+            self._set_state("verifying")
+            self.verify()
+        except Exception as e:
+            self.result["verify"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        if self.state == "verifying":
+            self._set_state("loaded")
+
+    def _set_state(self, state: str) -> None:
+        with self._cond:
+            self.state = state
+            self._cond.notify_all()
+        self._launcher_event(state)
+
+    def _fail(self, error: LoadError, state: str = "failed") -> None:
+        with self._cond:
+            if self.state in ("failed", "cancelled", "closing", "closed"):
+                return
+            self.error = error
+            self.state = state
+            self._cond.notify_all()
+        self._finalizer()  # end every rank now: peers of a failed rank may wait in collectives
+        self._launcher_event(state)
+
+    def _check_ranks(self) -> None:
+        if self.state in ("failed", "cancelled", "closing", "closed"):
+            return
+        for rank, proc in enumerate(self._procs):
+            if proc.exitcode is not None:
+                code = proc.exitcode
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                if code == -9:
+                    how += " (SIGKILL)"
+                where = self.progress[rank].module
+                doing = f" while loading {where}" if where and self.state == "starting" else ""
+                if not self.progress[rank].phase_times:
+                    doing = (
+                        " before it started; a script that calls tpviz.launch must guard "
+                        "the call with `if __name__ == '__main__':`"
+                    )
+                message = f"rank {rank} died ({how}){doing}"
+                self._deliver([Error(rank, time.time(), message=message)])
+                self._fail(LoadError(message, rank, where))
+                return
+        if self._deadline and self.state == "starting" and time.monotonic() > self._deadline:
+            self._fail(
+                LoadError(f"the load did not finish within its timeout ({self._timeout:g} s)")
+            )
+
+    # --- waiting and results ----------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """The load result once every rank has loaded (and verified, if asked); raises the
+        job's error. The ranks stay alive for commands."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.state not in ("starting", "verifying"), timeout)
+        if not ok:
+            raise TimeoutError(f"the load is still running after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        if self.result is None:
+            raise LoadError(f"the job is {self.state}")
+        return self.result
+
+    def cancel(self) -> None:
+        """Stop the job: every rank is ended."""
+        self._fail(LoadError("the load was cancelled"), state="cancelled")
+
+    # --- commands on the loaded model -------------------------------------------------------
+
+    def _command(self, command: str, *args: Any, timeout: float = 300.0) -> list[Any]:
+        if self.state != "loaded" and not (self.state == "verifying" and command == "forward"):
+            raise LoadError(f"the job is {self.state}; commands need a loaded model")
+        command_id = next(self._ids)
+        for conn in list(self._conns):
+            conn.send((command, command_id, args))
+        world = self.plan.world_size
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: (
+                    len(self._replies.get(command_id, {})) == world
+                    or self.state in ("failed", "cancelled", "closed")
+                ),
+                timeout,
+            )
+            replies = self._replies.pop(command_id, {})
+        if self.error is not None:
+            raise self.error
+        if not done:
+            self._fail(LoadError(f"{command} did not finish within {timeout} s"))
+            raise self.error
+        errors = [payload for ok, payload in replies.values() if not ok]
+        if errors:
+            raise LoadError(errors[0])
+        return [replies[r][1] for r in range(world)]
+
+    def forward(self, input_ids: torch.Tensor | list) -> torch.Tensor:
+        """Run the sharded model on `input_ids`; the logits, gathered, on this side."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids[None]
+        return self._command("forward", ids)[0]
+
+    def shard_report(self) -> list[list[dict[str, Any]]]:
+        """Each rank's real local tensors (shape, dtype, device, placement) beside the plan."""
+        return self._command("shard_report")
+
+    def call(self, fn: Callable | str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run `fn(model, *args, **kwargs)` on every rank; `fn` is importable (or `"pkg.mod:fn"`).
+        Returns the results, one per rank."""
+        return self._command("call", fn, args, kwargs)
+
+    def verify(self) -> dict[str, Any]:
+        """Logits of the fixed prompt from the sharded model against a single-process model
+        built from the same checkpoint (or the same seed); stored in `result["verify"]`."""
+        from .checkpoint import Checkpoint
+        from .runtime.strategies import FullModel
+
+        config = read_config(self.plan.source)
+        adapter = get_adapter(config, self.plan.model)
+        vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size"))
+        ids = torch.tensor(FIXED_PROMPT) % vocab
+        sharded = self.forward(ids)
+        reference = FullModel(self.plan, adapter, config, self.options.seed)
+        if self.options.init == "random":
+            reference.materialize(None, None, reference.loaded)
+            reference.init_all()
+        else:
+            reference.load_checkpoint(Checkpoint.open(self.plan.source))
+        with torch.no_grad():
+            expected = adapter.logits(reference.model, ids)
+        del reference
+        diff = (sharded.float() - expected.float()).abs().max().item()
+        tolerance = 1e-4 if self.plan.dtype == "float32" else 5e-2
+        report = {
+            "max_abs_diff": diff,
+            "tolerance": tolerance,
+            "ok": diff <= tolerance,
+            "prompt": ids.tolist(),
+        }
+        if self.options.init == "random" and self.options.strategy == "sliced":
+            report["note"] = "sliced random init cannot match a single-process draw"
+            report["ok"] = None
+        self.result["verify"] = report
+        return report
+
+    # --- lifetime ---------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the ranks and release everything; safe to call more than once."""
+        with self._cond:
+            if self.state == "closed":
+                return
+            alive = self.state in ("loaded", "verifying")
+            self.state = "closing" if alive else self.state
+        if alive:
+            for conn in list(self._conns):
+                try:
+                    conn.send(("shutdown", -1, ()))
+                except OSError:
+                    pass
+            deadline = time.monotonic() + timeout
+            for proc in list(self._procs):
+                proc.join(max(0.0, deadline - time.monotonic()))
+        self._finalizer()
+        if self._pump is not threading.current_thread():
+            self._pump.join(timeout)
+        self._set_state("closed")
+
+    def __enter__(self) -> LoadJob:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"<LoadJob {self.options.strategy} world_size={self.plan.world_size} {self.state}>"
+
+
+def _pump(ref: weakref.ref[LoadJob]) -> None:
+    """Multiplex the ranks' pipes and sentinels; holds the job only weakly so that an
+    abandoned job is collected (and its ranks ended)."""
+    while True:
+        job = ref()
+        if job is None or job.state == "closed" or not job._conns:
+            return
+        try:
+            conns = list(job._conns)
+            ready = wait(conns + [p.sentinel for p in list(job._procs)], timeout=0.1)
+        except (OSError, ValueError):  # closed under us by cancel or shutdown
+            ready = []
+        for item in ready:
+            if item in conns:
+                try:
+                    message = item.recv()
+                except (EOFError, OSError):
+                    continue  # the rank ended; its sentinel says how
+                job._handle(conns.index(item), message)
+        job._check_ranks()
+        del job
+
+
+def check_memory(plan: ResolvedPlan, strategy: str, device: str, init: str) -> None:
+    """Refuse, with the figures, a load whose forecast does not fit this machine."""
+    fc = forecast(plan, strategy, device, init)
+    gib = 1024**3
+    if device == "cpu":
+        need = sum(fc.peak_bytes)
+        have = psutil.virtual_memory().available
+        if need > have:
+            raise MemoryForecastError(
+                f"{strategy} needs about {need / gib:.1f} GiB of host RAM for {plan.world_size} "
+                f"ranks (forecast peak {max(fc.peak_bytes) / gib:.1f} GiB per rank); "
+                f"{have / gib:.1f} GiB is available. Use the sliced strategy, fewer ranks, or "
+                "force=True (--force) to try anyway"
+            )
+        return
+    for rank, need in enumerate(fc.peak_bytes):
+        free, _ = torch.cuda.mem_get_info(rank)
+        if need > free:
+            raise MemoryForecastError(
+                f"rank {rank} needs about {need / gib:.1f} GiB with {strategy}; GPU {rank} has "
+                f"{free / gib:.1f} GiB free. Use the sliced strategy or force=True (--force)"
+            )
+
+
+def launch(
+    source: str | os.PathLike,
+    world_size: int,
+    plan: dict | str | os.PathLike | ResolvedPlan | None = None,
+    strategy: str = "sliced",
+    device: str = "cpu",
+    dtype: str | None = None,
+    *,
+    model: str | None = None,
+    init: str = "checkpoint",
+    seed: int = 0,
+    timeout: float | None = None,
+    verify: bool = False,
+    events_dir: str | os.PathLike | None = None,
+    profile_dir: str | os.PathLike | None = None,
+    memory_hz: float = 20.0,
+    force: bool = False,
+    seed_skew: dict[int, int] | None = None,
+) -> LoadJob:
+    """Start loading `source` on `world_size` local ranks; returns a LoadJob at once.
+
+    `plan` is a pattern dict, a plan file or a ResolvedPlan (whose world size must match).
+    `init="random"` initialises from `seed` instead of loading (a config-only source needs it).
+    `seed_skew` ({rank: offset}) shifts one rank's seed: a test hook for the init checks.
+    """
+    resolved = resolve_plan(source, world_size, plan, dtype=dtype, model=model)
+    resolved.raise_for_errors()
+    if resolved.source is None:
+        raise ValueError(
+            "a plan resolved from an in-memory module cannot be launched; pass a "
+            "checkpoint directory"
+        )
+    if device == "cuda":
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if world_size > available:
+            raise ValueError(
+                f"device='cuda' runs one rank per GPU: {world_size} ranks asked, "
+                f"{available} GPU(s) visible"
+            )
+    elif device != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    options = LoadOptions(
+        strategy=strategy,
+        init=init,
+        seed=seed,
+        memory_hz=memory_hz,
+        profile_dir=str(profile_dir) if profile_dir else None,
+        seed_skew=dict(seed_skew or {}),
+    )
+    options.validate(resolved)
+    if not force:
+        check_memory(resolved, strategy, device, options.init)
+    return LoadJob(
+        resolved, options, device=device, timeout=timeout, verify=verify, events_dir=events_dir
+    )

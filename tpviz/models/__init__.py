@@ -1,0 +1,153 @@
+"""Model families: config.json -> skeleton, default TP plan, head alignment, init and forward.
+
+An adapter is chosen by `--model`: `builtin` (tpviz's Llama family), `hf` (transformers, an
+optional extra), `pkg.mod:fn` (a user factory `fn(config: dict) -> nn.Module`), or `auto`
+(built-in for the Llama family, transformers otherwise).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import ConfigError, LlamaDims, read_config
+
+__all__ = ["Alignment", "ModelAdapter", "ConfigError", "get_adapter", "read_config"]
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Modules whose weight dim `dim` holds `count` indivisible units (attention heads)."""
+
+    suffix: str  # matched against module names at a segment boundary
+    dim: int
+    count: int
+    what: str
+
+
+class ModelAdapter:
+    """What tpviz needs from a model family. Subclasses override what differs."""
+
+    name = "module"
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        """The model on the current default device (tpviz calls it under `torch.device`)."""
+        raise ConfigError("this model was given as a module; tpviz cannot rebuild it from a config")
+
+    def default_plan(self, model: nn.Module) -> dict[str, str]:
+        """The model's own `tp_plan` attribute, if it has one."""
+        return dict(getattr(model, "tp_plan", None) or {})
+
+    def config_of(self, model: nn.Module) -> dict[str, Any]:
+        config = getattr(model, "config", None)
+        return config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
+
+    def alignments(self, config: dict[str, Any]) -> list[Alignment]:
+        return []
+
+    def compute_buffers(self, model: nn.Module, device: torch.device) -> None:
+        """Give non-persistent buffers (rotary caches) real values after a meta build."""
+        for module in model.modules():
+            if hasattr(module, "tpviz_compute_buffers"):
+                module.tpviz_compute_buffers(device)
+
+    def init_module(self, model: nn.Module, module: nn.Module) -> None:
+        """Random-initialise the tensors `module` owns directly, with its own init."""
+        reset = getattr(module, "reset_parameters", None)
+        if reset is None:
+            raise ConfigError(
+                f"{type(module).__name__} has no reset_parameters(); tpviz cannot random-"
+                "initialise it"
+            )
+        reset()
+
+    def logits(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids)
+
+
+class BuiltinLlama(ModelAdapter):
+    name = "builtin"
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        from .llama import LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaDims.from_config(config), config)
+
+    def default_plan(self, model: nn.Module) -> dict[str, str]:
+        from .llama import DEFAULT_PLAN
+
+        return dict(DEFAULT_PLAN)
+
+    def alignments(self, config: dict[str, Any]) -> list[Alignment]:
+        dims = LlamaDims.from_config(config)
+        return attention_alignments(dims.num_heads, dims.num_kv_heads)
+
+
+def attention_alignments(heads: int, kv_heads: int) -> list[Alignment]:
+    return [
+        Alignment("self_attn.q_proj", 0, heads, "attention heads"),
+        Alignment("self_attn.k_proj", 0, kv_heads, "key-value heads"),
+        Alignment("self_attn.v_proj", 0, kv_heads, "key-value heads"),
+        Alignment("self_attn.o_proj", 1, heads, "attention heads"),
+    ]
+
+
+class FactoryAdapter(ModelAdapter):
+    """A user factory `pkg.mod:fn`; its model's `tp_plan` attribute, if any, is the default."""
+
+    def __init__(self, spec: str):
+        self.name = spec
+        module_name, _, attr = spec.partition(":")
+        try:
+            self.factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"--model {spec}: cannot import the factory ({e})") from None
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        return self.factory(config)
+
+
+LLAMA_ARCHITECTURES = {"LlamaForCausalLM"}
+
+
+def get_adapter(config: dict[str, Any], model: str | None = "auto") -> ModelAdapter:
+    choice = model or "auto"
+    if choice == "auto":
+        arch = set(config.get("architectures") or [])
+        is_llama = config.get("model_type") == "llama" and (not arch or arch <= LLAMA_ARCHITECTURES)
+        choice = "builtin" if is_llama else "hf"
+    if choice == "builtin":
+        return BuiltinLlama()
+    if choice == "hf":
+        from .hf import HFAdapter
+
+        return HFAdapter(config)
+    if ":" in choice:
+        return FactoryAdapter(choice)
+    raise ConfigError(f"--model {choice!r}: expected auto, builtin, hf or PKG.MOD:FN")
+
+
+def adapter_for_module(model: nn.Module) -> ModelAdapter:
+    """The adapter for a model given as a module (resolve_plan on an in-memory model)."""
+    from .llama import LlamaForCausalLM
+
+    if isinstance(model, LlamaForCausalLM):
+        return BuiltinLlama()
+    if type(model).__module__.startswith("transformers."):
+        from .hf import HFAdapter
+
+        return HFAdapter(ModelAdapter().config_of(model))
+    return ModelAdapter()
+
+
+def build_skeleton(
+    adapter: ModelAdapter, config: dict[str, Any], device: str = "meta"
+) -> nn.Module:
+    """The model with every parameter and buffer on `device` (meta: nothing allocated)."""
+    with torch.device(device):
+        model = adapter.build(config)
+    return model.eval().requires_grad_(False)

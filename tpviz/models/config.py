@@ -1,0 +1,95 @@
+"""Reading `config.json` files of both transformers generations (4.x and 5.x field names)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def read_config(source: str | Path) -> dict[str, Any]:
+    """`config.json` of a checkpoint directory (or of the directory holding a checkpoint file)."""
+    path = Path(source)
+    directory = path if path.is_dir() else path.parent
+    file = directory / "config.json"
+    if not file.exists():
+        raise ConfigError(f"{directory}: no config.json; a source needs one to build the model")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{file}: expected a JSON object")
+    return config
+
+
+def config_dtype(config: dict[str, Any]) -> str | None:
+    """The weights' dtype a config declares: 5.x writes `dtype`, 4.x `torch_dtype`."""
+    value = config.get("dtype") or config.get("torch_dtype")
+    if isinstance(value, str):
+        return value.removeprefix("torch.")
+    return None
+
+
+def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling parameters) from 5.x `rope_parameters` or 4.x `rope_theta` +
+    `rope_scaling`. The scaling dict has at least `rope_type`."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = config.get("rope_theta", 10000.0)
+        scaling = dict(config.get("rope_scaling") or {})
+    scaling["rope_type"] = scaling.get("rope_type") or scaling.get("type") or "default"
+    return float(theta), scaling
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any]
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> LlamaDims:
+        try:
+            heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            theta, scaling = rope_settings(config)
+            return cls(
+                vocab_size=int(config["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                num_layers=int(config["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                attention_bias=bool(config.get("attention_bias", False)),
+                mlp_bias=bool(config.get("mlp_bias", False)),
+                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            )
+        except KeyError as e:
+            raise ConfigError(
+                f"config.json lacks {e.args[0]!r}, which a Llama model needs"
+            ) from None

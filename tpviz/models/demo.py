@@ -1,0 +1,124 @@
+"""Deterministic Llama-family checkpoints in Hugging Face layout for demos, tests, benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from ..checkpoint import INDEX_NAME, SINGLE_NAME, torch_dtype
+from . import BuiltinLlama, build_skeleton
+
+# hidden, intermediate, layers, heads, kv heads, vocab
+PRESETS: dict[str, dict[str, int]] = {
+    # ~2.5 MB in float32: heads and kv heads split over 1, 2 and 4 ranks
+    "tiny": dict(hidden=128, intermediate=352, layers=2, heads=8, kv_heads=4, vocab=1000),
+    # ~150 MB
+    "small": dict(hidden=768, intermediate=2048, layers=4, heads=12, kv_heads=4, vocab=8000),
+    # ~640 MB: the calibration size in DESIGN.md
+    "medium": dict(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=8, vocab=32000),
+}
+DEFAULT_MAX_SHARD_SIZE = 200 * 1000 * 1000
+
+
+def demo_config(
+    preset: str = "tiny",
+    dtype: str = "float32",
+    tie_embeddings: bool = False,
+    **overrides: int | None,
+) -> dict[str, Any]:
+    """A transformers-compatible Llama `config.json` for a preset, with dimension overrides."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    dims = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
+    unknown = set(dims) - set(PRESETS[preset])
+    if unknown:
+        raise ValueError(f"unknown dimension override(s): {', '.join(sorted(unknown))}")
+    if dims["hidden"] % dims["heads"]:
+        raise ValueError(f"hidden size {dims['hidden']} is not a multiple of {dims['heads']} heads")
+    if dims["heads"] % dims["kv_heads"]:
+        raise ValueError(f"{dims['heads']} heads is not a multiple of {dims['kv_heads']} kv heads")
+    torch_dtype(dtype)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": dims["hidden"],
+        "intermediate_size": dims["intermediate"],
+        "num_hidden_layers": dims["layers"],
+        "num_attention_heads": dims["heads"],
+        "num_key_value_heads": dims["kv_heads"],
+        "head_dim": dims["hidden"] // dims["heads"],
+        "vocab_size": dims["vocab"],
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": tie_embeddings,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+
+
+def make_checkpoint(
+    directory: str | os.PathLike,
+    preset: str = "tiny",
+    dtype: str = "float32",
+    tie_embeddings: bool = False,
+    seed: int = 0,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    **overrides: int | None,
+) -> Path:
+    """Write a deterministic checkpoint (config.json + safetensors, sharded over
+    `max_shard_size`) that transformers' `LlamaForCausalLM.from_pretrained` loads."""
+    config = demo_config(preset, dtype, tie_embeddings, **overrides)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("*.safetensors")):
+        raise FileExistsError(f"{out} already holds a checkpoint; choose an empty directory")
+    skeleton = build_skeleton(BuiltinLlama(), config)
+    generator = torch.Generator().manual_seed(seed)
+    target = torch_dtype(dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in skeleton.named_parameters():  # tied weights appear once
+        if name.endswith("norm.weight"):  # near one, so the norms are not trivial
+            value = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
+        else:
+            value = 0.02 * torch.randn(param.shape, generator=generator)
+        tensors[name] = value.to(target)
+    _save_sharded(tensors, out, max_shard_size)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _save_sharded(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], out / SINGLE_NAME, metadata=metadata)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / file, metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")

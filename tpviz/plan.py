@@ -1,0 +1,764 @@
+"""Plan patterns -> ResolvedPlan: which style each tensor gets and what every rank holds.
+
+Pure: a meta skeleton and checkpoint headers in, plain JSON-serialisable data out. The ranks
+execute this very object, so the picture a user sees is what gets loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import styles
+from .checkpoint import Checkpoint, dtype_name, torch_dtype
+from .models import (
+    Alignment,
+    ModelAdapter,
+    adapter_for_module,
+    build_skeleton,
+    get_adapter,
+    read_config,
+)
+from .models.config import config_dtype
+
+STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
+MAX_ISSUES_PER_CODE = 10
+
+
+class PlanError(ValueError):
+    """A plan that cannot be executed; `errors` are the plan's error entries."""
+
+    def __init__(self, errors: list[PlanIssue]):
+        self.errors = errors
+        first = errors[0].message if errors else "invalid plan"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        super().__init__(first + more)
+
+
+@dataclass
+class Block:
+    offset: list[int]
+    shape: list[int]
+
+
+@dataclass
+class RankShard:
+    rank: int
+    shape: list[int]
+    bytes: int
+    blocks: list[Block]
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    module: str
+    style: str
+    style_given: str
+    placement: str  # "replicate" or "shard(D)"
+    global_shape: list[int]
+    dtype: str  # target dtype
+    tied_to: list[str]
+    ranks: list[RankShard]
+    kind: str = "parameter"  # or "buffer"
+    origin: str = "checkpoint"  # or "computed" (non-persistent buffers such as inv_freq)
+    source_dtype: str | None = None  # dtype in the checkpoint, None without weights
+    checkpoint_key: str | None = None  # name in the checkpoint (a tied alias, at times)
+    pattern: str | None = None  # the plan key that decided the style
+
+    @property
+    def shard_dim(self) -> int | None:
+        return None if self.placement == "replicate" else int(self.placement[6:-1])
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.global_shape) * torch_dtype(self.dtype).itemsize
+
+    def source_nbytes(self, elements: int | None = None) -> int:
+        n = math.prod(self.global_shape) if elements is None else elements
+        return n * torch_dtype(self.source_dtype or self.dtype).itemsize
+
+
+@dataclass
+class PlanIssue:
+    code: str
+    name: str
+    message: str
+
+
+@dataclass
+class ResolvedPlan:
+    world_size: int
+    dtype: str
+    source: str | None
+    params: list[TensorPlan]
+    per_rank_bytes: list[int]
+    total_bytes: int
+    forecast: dict[str, dict[str, list[int]]]
+    warnings: list[PlanIssue] = field(default_factory=list)
+    errors: list[PlanIssue] = field(default_factory=list)
+    model: str = "builtin"  # the adapter that built the skeleton
+    module_styles: dict[str, str] = field(default_factory=dict)  # module -> forward style
+    has_weights: bool = True
+
+    def tensor(self, name: str) -> TensorPlan:
+        if not hasattr(self, "_by_name"):
+            self._by_name = {}
+            for t in self.params:
+                self._by_name.update(dict.fromkeys([t.name, *t.tied_to], t))
+        return self._by_name[name]
+
+    def units(self) -> list[tuple[str, list[TensorPlan]]]:
+        """Units of loading in order: (module, the tensors it loads from the checkpoint)."""
+        grouped: dict[str, list[TensorPlan]] = {}
+        for t in self.params:
+            if t.origin == "checkpoint":
+                grouped.setdefault(t.module, []).append(t)
+        return list(grouped.items())
+
+    def raise_for_errors(self) -> None:
+        if self.errors:
+            raise PlanError(self.errors)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("_by_name", None)
+        return data
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ResolvedPlan:
+        data = dict(data)
+        data["params"] = [
+            TensorPlan(
+                **{
+                    **p,
+                    "ranks": [
+                        RankShard(**{**r, "blocks": [Block(**b) for b in r["blocks"]]})
+                        for r in p["ranks"]
+                    ],
+                }
+            )
+            for p in data["params"]
+        ]
+        data["warnings"] = [PlanIssue(**w) for w in data.get("warnings", [])]
+        data["errors"] = [PlanIssue(**e) for e in data.get("errors", [])]
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> ResolvedPlan:
+        return cls.from_dict(json.loads(text))
+
+
+# --- chunk math -------------------------------------------------------------------------------
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """Sizes `torch.chunk` gives for `n` items in `parts` (ceil division; trailing parts may be
+    smaller or empty), padded with zeros to exactly `parts` entries, as DTensor's Shard does."""
+    step = -(-n // parts) if n else 0
+    sizes = []
+    for _ in range(parts):
+        size = min(step, n)
+        sizes.append(size)
+        n -= size
+    return sizes
+
+
+def chunk_offsets(n: int, parts: int) -> list[tuple[int, int]]:
+    """(offset, size) of every part under `chunk_sizes`."""
+    out, start = [], 0
+    for size in chunk_sizes(n, parts):
+        out.append((start, size))
+        start += size
+    return out
+
+
+def shard_blocks(
+    shape: list[int], dim: int | None, world_size: int, packed_parts: int = 1
+) -> list[list[Block]]:
+    """Blocks each rank holds, in the order they are laid out in its local tensor."""
+    if dim is None:
+        return [[Block([0] * len(shape), list(shape))] for _ in range(world_size)]
+    part_len = shape[dim] // packed_parts
+    per_rank: list[list[Block]] = [[] for _ in range(world_size)]
+    for part in range(packed_parts):
+        for rank, (start, size) in enumerate(chunk_offsets(part_len, world_size)):
+            if size:
+                offset = [0] * len(shape)
+                offset[dim] = part * part_len + start
+                block_shape = list(shape)
+                block_shape[dim] = size
+                per_rank[rank].append(Block(offset, block_shape))
+    return per_rank
+
+
+def local_shape(shape: list[int], dim: int | None, blocks: list[Block]) -> list[int]:
+    if dim is None:
+        return list(shape)
+    out = list(shape)
+    out[dim] = sum(b.shape[dim] for b in blocks)
+    return out
+
+
+# --- patterns ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Key:
+    pattern: str
+    style_given: str
+    regex: re.Pattern[str]
+    specificity: tuple[int, int]  # (fewer wildcards, longer) sorts higher
+
+
+class CompiledPlan:
+    """Plan patterns compiled once. `*` matches one numeric path segment; a key matches a name
+    that equals it or ends with it at a segment boundary."""
+
+    def __init__(self, patterns: Mapping[str, str]):
+        self.keys: list[_Key] = []
+        self.errors: list[PlanIssue] = []
+        for pattern, style_given in patterns.items():
+            if not isinstance(style_given, str):
+                self.errors.append(
+                    PlanIssue(
+                        "invalid_plan",
+                        pattern,
+                        f"plan key {pattern!r}: style must be a string, got {style_given!r}",
+                    )
+                )
+                continue
+            try:
+                styles.canonical(style_given)
+            except styles.UnknownStyle as e:
+                self.errors.append(
+                    PlanIssue("unknown_style", pattern, f"plan key {pattern!r}: {e}")
+                )
+            except styles.UnsupportedStyle:
+                pass  # reported per module once we know which modules it hits
+            body = r"\.".join(r"\d+" if s == "*" else re.escape(s) for s in pattern.split("."))
+            regex = re.compile(rf"(?:^|\.){body}$")
+            specificity = (-pattern.split(".").count("*"), len(pattern))
+            self.keys.append(_Key(pattern, style_given, regex, specificity))
+        self.used: set[str] = set()
+
+    def best(self, name: str) -> _Key | None:
+        found = [k for k in self.keys if k.regex.search(name)]
+        for k in found:
+            self.used.add(k.pattern)
+        return max(found, key=lambda k: k.specificity) if found else None
+
+
+def load_plan_patterns(plan: Mapping[str, str] | str | os.PathLike | None) -> dict[str, str] | None:
+    """A pattern dict from a dict or a JSON file (`{pattern: style}` or transformers' form
+    `{"tp_plan": {...}, "base_model_tp_plan": {...}}`)."""
+    if plan is None:
+        return None
+    if isinstance(plan, (str, os.PathLike)):
+        path = Path(plan)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"plan file {path} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"plan file {path}: not valid JSON ({e})") from None
+    else:
+        data = plan
+    if not isinstance(data, Mapping):
+        raise ValueError(
+            f"a plan must be a JSON object of pattern -> style, got {type(data).__name__}"
+        )
+    if "tp_plan" in data or "base_model_tp_plan" in data:
+        merged = dict(data.get("base_model_tp_plan") or {})
+        merged.update(data.get("tp_plan") or {})
+        return merged
+    return dict(data)
+
+
+# --- resolution -------------------------------------------------------------------------------
+
+
+def _module_kind(module: nn.Module) -> str:
+    if isinstance(module, nn.Linear):
+        return styles.LINEAR
+    if isinstance(module, nn.Embedding):
+        return styles.EMBEDDING
+    return type(module).__name__
+
+
+def _ends_with(name: str, suffix: str) -> bool:
+    return name == suffix or name.endswith("." + suffix)
+
+
+class _Issues:
+    """Collects issues, keeping at most MAX_ISSUES_PER_CODE of each code plus a count."""
+
+    def __init__(self) -> None:
+        self.items: list[PlanIssue] = []
+        self.dropped: dict[str, int] = {}
+
+    def add(self, code: str, name: str, message: str) -> None:
+        if sum(i.code == code for i in self.items) < MAX_ISSUES_PER_CODE:
+            self.items.append(PlanIssue(code, name, message))
+        else:
+            self.dropped[code] = self.dropped.get(code, 0) + 1
+
+    def finish(self) -> list[PlanIssue]:
+        for code, n in self.dropped.items():
+            self.items.append(PlanIssue(code, "", f"... and {n} more {code} issue(s)"))
+        return self.items
+
+
+def resolve_plan(
+    source: str | os.PathLike | nn.Module,
+    world_size: int,
+    plan: Mapping[str, str] | str | os.PathLike | ResolvedPlan | None = None,
+    dtype: str | torch.dtype | None = None,
+    model: str | None = None,
+    checkpoint: str | os.PathLike | None = None,
+) -> ResolvedPlan:
+    """Resolve a TP plan against a model and (optionally) its checkpoint, allocating nothing.
+
+    `source` is a checkpoint directory or file, a directory holding only config.json, or an
+    `nn.Module` (meta is fine) with an optional `checkpoint`. `plan` defaults to the model
+    family's plan. Problems are returned in `errors` / `warnings`, not raised.
+    """
+    if isinstance(plan, ResolvedPlan):
+        if plan.world_size != world_size:
+            raise ValueError(
+                f"the plan was resolved for world size {plan.world_size}, not {world_size}"
+            )
+        return plan
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    if isinstance(source, nn.Module):
+        skeleton, source_name = source, None
+        adapter = adapter_for_module(source)
+        config = adapter.config_of(source)
+        ckpt = Checkpoint.open(checkpoint) if checkpoint is not None else None
+    else:
+        config = read_config(source)
+        adapter = get_adapter(config, model)
+        skeleton = build_skeleton(adapter, config)
+        ckpt = Checkpoint.open(checkpoint if checkpoint is not None else source)
+        source_name = str(Path(source).resolve())
+    patterns = load_plan_patterns(plan)
+    if patterns is None:
+        patterns = adapter.default_plan(skeleton)
+    target = _target_dtype(dtype, config, ckpt)
+    return _resolve(skeleton, adapter, config, world_size, patterns, target, ckpt, source_name)
+
+
+def _target_dtype(
+    dtype: str | torch.dtype | None, config: dict[str, Any], ckpt: Checkpoint | None
+) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype:
+        return torch_dtype(dtype)
+    declared = config_dtype(config)
+    if declared and declared != "auto":
+        return torch_dtype(declared)
+    if ckpt and ckpt.has_weights:
+        floats = [t.dtype for t in ckpt.tensors.values() if torch_dtype(t.dtype).is_floating_point]
+        if floats:
+            return torch_dtype(max(set(floats), key=floats.count))
+    return torch.float32
+
+
+def _direct_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, str, bool]]:
+    """(leaf name, tensor, kind, persistent) for tensors `module` owns directly."""
+    for leaf, param in module._parameters.items():
+        if param is not None:
+            yield leaf, param, "parameter", True
+    for leaf, buf in module._buffers.items():
+        if buf is not None:
+            yield leaf, buf, "buffer", leaf not in module._non_persistent_buffers_set
+
+
+def _resolve(
+    skeleton: nn.Module,
+    adapter: ModelAdapter,
+    config: dict[str, Any],
+    world_size: int,
+    patterns: Mapping[str, str],
+    target: torch.dtype,
+    ckpt: Checkpoint | None,
+    source: str | None,
+) -> ResolvedPlan:
+    compiled = CompiledPlan(patterns)
+    errors, warnings = _Issues(), _Issues()
+    for issue in compiled.errors:
+        errors.add(issue.code, issue.name, issue.message)
+    entries: list[TensorPlan] = []
+    by_id: dict[int, TensorPlan] = {}
+    module_styles: dict[str, str] = {}
+    unsupported: dict[str, list[str]] = {}
+
+    for mod_name, module in skeleton.named_modules():
+        direct = list(_direct_tensors(module))
+        if not direct:
+            continue
+        module_key = compiled.best(mod_name)
+        weight_key = (
+            compiled.best(_join(mod_name, "weight")) if "weight" in module._parameters else None
+        )
+        forward_key = weight_key or module_key  # a parameter key beats a module key
+        forward = _style_of(forward_key, mod_name, unsupported)
+        kind = _module_kind(module)
+        if forward and styles.ANY not in forward.modules and kind not in forward.modules:
+            wanted = "nn.Linear" if styles.LINEAR in forward.modules else "nn.Embedding"
+            errors.add(
+                "unsupported_style",
+                mod_name,
+                f"{mod_name}: style {forward.name!r} applies to {wanted}, but this module is "
+                f"{type(module).__name__}; give it another style",
+            )
+            forward = None
+        if forward and forward.name != styles.DEFAULT_STYLE:
+            module_styles[mod_name] = forward.name
+        for leaf, tensor, tensor_kind, persistent in direct:
+            name = _join(mod_name, leaf)
+            if tensor_kind == "parameter" and id(tensor) in by_id:
+                _tie(by_id[id(tensor)], name, forward, leaf, errors)
+                continue
+            own_key = None
+            if tensor_kind == "parameter":
+                own_key = weight_key if leaf == "weight" else compiled.best(name)
+            key = own_key or forward_key
+            style = (_style_of(own_key, mod_name, unsupported) if own_key else forward) or (
+                styles.STYLES[styles.DEFAULT_STYLE]
+            )
+            dim = style.placement_dim(leaf) if tensor_kind == "parameter" else None
+            if forward and own_key and dim != forward.placement_dim(leaf):
+                errors.add(
+                    "conflicting_style",
+                    name,
+                    f"{name}: its own style {style.name!r} places it differently from its "
+                    f"module's style {forward.name!r}; give both the same style",
+                )
+            shape = list(tensor.shape)
+            if dim is not None and dim >= len(shape):
+                errors.add(
+                    "unsupported_style",
+                    name,
+                    f"{name}: style {style.name!r} shards dim {dim}, but the tensor has "
+                    f"{len(shape)} dim(s)",
+                )
+                dim = None
+            parts = 2 if style.packed and dim is not None else 1
+            if parts > 1 and shape[dim] % parts:
+                errors.add(
+                    "unsupported_style",
+                    name,
+                    f"{name}: packed style {style.name!r} needs dim {dim} ({shape[dim]}) to split "
+                    f"into {parts} equal parts",
+                )
+                parts = 1
+            entry = _entry(
+                name,
+                mod_name,
+                style,
+                key.style_given if key else styles.DEFAULT_STYLE,
+                shape,
+                dim,
+                parts,
+                tensor,
+                target,
+                world_size,
+                tensor_kind,
+                "checkpoint" if persistent else "computed",
+                key.pattern if key else None,
+            )
+            entries.append(entry)
+            if tensor_kind == "parameter":
+                by_id[id(tensor)] = entry
+
+    for style_name, mods in unsupported.items():
+        shown = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
+        errors.add(
+            "unsupported_style",
+            mods[0],
+            f"style {style_name!r} is not executable by tpviz (modules: {shown}); give these "
+            "modules another style, e.g. replicate",
+        )
+    for pattern in (k.pattern for k in compiled.keys if k.pattern not in compiled.used):
+        warnings.add(
+            "unmatched_pattern", pattern, f"plan key {pattern!r} matches no module or tensor"
+        )
+
+    _check_alignment(adapter.alignments(config), module_styles, world_size, errors)
+    if ckpt is not None and ckpt.has_weights:
+        _check_checkpoint(entries, ckpt, errors)
+
+    per_rank = [sum(e.ranks[r].bytes for e in entries) for r in range(world_size)]
+    plan = ResolvedPlan(
+        world_size=world_size,
+        dtype=dtype_name(target),
+        source=source,
+        params=entries,
+        per_rank_bytes=per_rank,
+        total_bytes=sum(e.nbytes for e in entries),
+        forecast={},
+        warnings=warnings.finish(),
+        errors=errors.finish(),
+        model=adapter.name,
+        module_styles=module_styles,
+        has_weights=bool(ckpt and ckpt.has_weights),
+    )
+    init = "checkpoint" if plan.has_weights else "random"
+    plan.forecast = {s: forecast(plan, s, init=init).to_dict() for s in STRATEGIES}
+    return plan
+
+
+def _join(module: str, leaf: str) -> str:
+    return f"{module}.{leaf}" if module else leaf
+
+
+def _style_of(
+    key: _Key | None, mod_name: str, unsupported: dict[str, list[str]]
+) -> styles.Style | None:
+    if key is None:
+        return None
+    try:
+        return styles.canonical(key.style_given)
+    except styles.UnsupportedStyle:
+        mods = unsupported.setdefault(key.style_given, [])
+        if mod_name not in mods:
+            mods.append(mod_name)
+    except styles.UnknownStyle:
+        pass  # reported once, for the key
+    return None
+
+
+def _tie(first: TensorPlan, name: str, forward, leaf: str, errors: _Issues) -> None:
+    """A tensor shared with an earlier one: listed once, and placed the same way."""
+    first.tied_to.append(name)
+    dim = forward.placement_dim(leaf) if forward else None
+    if dim != first.shard_dim:
+        errors.add(
+            "tied_mismatch",
+            name,
+            f"{name} is tied to {first.name}, but its style places it as "
+            f"{'replicate' if dim is None else f'shard({dim})'} while {first.name} is "
+            f"{first.placement}; tied tensors need styles that place them alike",
+        )
+
+
+def _entry(
+    name: str,
+    module: str,
+    style: styles.Style,
+    style_given: str,
+    shape: list[int],
+    dim: int | None,
+    parts: int,
+    tensor: torch.Tensor,
+    target: torch.dtype,
+    world_size: int,
+    kind: str,
+    origin: str,
+    pattern: str | None,
+) -> TensorPlan:
+    dtype = target if tensor.dtype.is_floating_point else tensor.dtype
+    itemsize = dtype.itemsize
+    ranks = []
+    for rank, blocks in enumerate(shard_blocks(shape, dim, world_size, parts)):
+        lshape = local_shape(shape, dim, blocks)
+        ranks.append(RankShard(rank, lshape, math.prod(lshape) * itemsize, blocks))
+    return TensorPlan(
+        name=name,
+        module=module,
+        style=style.name,
+        style_given=style_given,
+        placement="replicate" if dim is None else f"shard({dim})",
+        global_shape=shape,
+        dtype=dtype_name(dtype),
+        tied_to=[],
+        ranks=ranks,
+        kind=kind,
+        origin=origin,
+        pattern=pattern,
+    )
+
+
+def working_world_sizes(counts: list[int], limit: int = 1024) -> list[int]:
+    g = math.gcd(*counts) if counts else 1
+    return [w for w in range(1, min(g, limit) + 1) if g % w == 0]
+
+
+def _check_alignment(
+    alignments: list[Alignment], module_styles: dict[str, str], world_size: int, errors: _Issues
+) -> None:
+    """Heads must not be cut where a style leaves the sharded features visible to the model."""
+    exposed: dict[tuple[str, int], list[str]] = {}  # (what, count) -> modules
+    for mod_name, style_name in module_styles.items():
+        style = styles.STYLES[style_name]
+        for a in alignments:
+            if not _ends_with(mod_name, a.suffix) or style.weight_dim != a.dim:
+                continue
+            if (a.dim == 0 and style.local_output) or (a.dim == 1 and style.local_input):
+                exposed.setdefault((a.what, a.count), []).append(mod_name)
+    works = working_world_sizes([count for _, count in exposed])
+    for (what, count), mods in exposed.items():
+        if count % world_size:
+            errors.add(
+                "head_alignment",
+                mods[0],
+                f"{count} {what} cannot be split over {world_size} ranks: the plan shards "
+                f"{len(mods)} module(s) by head (e.g. {mods[0]}) and would cut a head; world "
+                f"sizes that work: {', '.join(map(str, works))}",
+            )
+
+
+def _check_checkpoint(entries: list[TensorPlan], ckpt: Checkpoint, errors: _Issues) -> None:
+    known: set[str] = set()
+    for e in entries:
+        if e.origin != "checkpoint":
+            continue
+        names = [e.name, *e.tied_to]
+        known.update(names)
+        key = next((n for n in names if n in ckpt.tensors), None)
+        if key is None:
+            errors.add(
+                "missing_tensor",
+                e.name,
+                f"{e.name} is in the model but not in the checkpoint {ckpt.path}; check that "
+                "the checkpoint matches config.json (or pass --model)",
+            )
+            continue
+        info = ckpt.tensors[key]
+        e.checkpoint_key, e.source_dtype = key, info.dtype
+        if list(info.shape) != e.global_shape:
+            errors.add(
+                "shape_mismatch",
+                e.name,
+                f"{e.name}: the model expects shape {e.global_shape}, {info.file} holds "
+                f"{list(info.shape)}",
+            )
+    for name in sorted(set(ckpt.tensors) - known):
+        errors.add(
+            "unexpected_tensor",
+            name,
+            f"{name} is in the checkpoint ({ckpt.tensors[name].file}) but not in the model; "
+            "check that config.json matches the weights",
+        )
+
+
+# --- forecasts --------------------------------------------------------------------------------
+
+
+@dataclass
+class Forecast:
+    """Expected peak of the loader's tensor accounting, and collective traffic, per rank."""
+
+    peak_bytes: list[int]
+    sent_bytes: list[int]
+    received_bytes: list[int]
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "traffic_bytes": [s + r for s, r in zip(self.sent_bytes, self.received_bytes)],
+            "sent_bytes": self.sent_bytes,
+            "received_bytes": self.received_bytes,
+        }
+
+
+class Ledger:
+    """Running total and peak of bytes; the forecast replays the loader's allocations on it."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+
+    def alloc(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def free(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+
+def needs_staging(t: TensorPlan, device: str, init: str) -> bool:
+    """Whether reading `t` goes through a CPU buffer before its final place."""
+    if init != "checkpoint":
+        return False
+    return device != "cpu" or (t.source_dtype or t.dtype) != t.dtype
+
+
+def forecast(
+    plan: ResolvedPlan, strategy: str, device: str = "cpu", init: str = "checkpoint"
+) -> Forecast:
+    """Replay `strategy`'s allocations (see tpviz/runtime/strategies.py) for every rank."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
+    w = plan.world_size
+    computed = [
+        sum(t.ranks[r].bytes for t in plan.params if t.origin == "computed") for r in range(w)
+    ]
+    loaded = [t for t in plan.params if t.origin == "checkpoint"]
+    peaks, sent, received = [], [0] * w, [0] * w
+    for rank in range(w):
+        ledger = Ledger()
+        ledger.alloc(computed[rank])
+        if strategy == "sliced":
+            for t in loaded:
+                ledger.alloc(t.ranks[rank].bytes)
+                if needs_staging(t, device, init):
+                    for b in t.ranks[rank].blocks:
+                        staging = t.source_nbytes(math.prod(b.shape))
+                        ledger.alloc(staging)
+                        ledger.free(staging)
+        elif strategy == "replicated":
+            full = [_full_bytes(t, init) for t in loaded]
+            for nbytes in full:
+                ledger.alloc(nbytes)
+            for t, nbytes in zip(loaded, full):
+                ledger.alloc(t.ranks[rank].bytes)
+                ledger.free(nbytes)
+        else:  # rank0_broadcast
+            for _, unit in plan.units():
+                if rank != 0:
+                    for t in unit:
+                        ledger.alloc(t.ranks[rank].bytes)
+                    continue
+                full = [_full_bytes(t, init) for t in unit]
+                for nbytes in full:
+                    ledger.alloc(nbytes)
+                for t in unit:
+                    ledger.alloc(t.ranks[0].bytes)
+                    if t.shard_dim is not None:
+                        for r in range(1, w):
+                            ledger.alloc(t.ranks[r].bytes)
+                            ledger.free(t.ranks[r].bytes)
+                for nbytes in full:
+                    ledger.free(nbytes)
+        peaks.append(ledger.peak)
+    for t in loaded:
+        # rank 0 sends every other rank its part; a sliced random init broadcasts only the
+        # replicated tensors (shards are drawn in place)
+        if strategy == "rank0_broadcast" or (
+            strategy == "sliced" and init == "random" and t.shard_dim is None
+        ):
+            for r in range(1, w):
+                sent[0] += t.ranks[r].bytes
+                received[r] += t.ranks[r].bytes
+    return Forecast(peaks, sent, received)
+
+
+def _full_bytes(t: TensorPlan, init: str) -> int:
+    """Bytes of the whole tensor as the loader materialises it on CPU."""
+    return t.source_nbytes() if init == "checkpoint" else t.nbytes

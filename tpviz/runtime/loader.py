@@ -1,0 +1,306 @@
+"""Loading inside one rank of an existing process group: skeleton, strategy, checks, result.
+
+`tpviz.launch` runs this in the ranks it spawns; `load_sharded` is the same for a process group
+the caller made (torchrun, several machines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from ..checkpoint import BlockReader, Checkpoint, torch_dtype
+from ..events import Done, Phase
+from ..models import ModelAdapter, build_skeleton, get_adapter, read_config
+from ..plan import STRATEGIES, Ledger, ResolvedPlan, forecast, resolve_plan
+from .memory import MemorySampler, PeakRss
+from .parallelize import apply_styles, leftover_meta, local_of, lookup, shard_report
+from .sink import EventSink
+from .strategies import (
+    FullModel,
+    LoadContext,
+    fill_part,
+    init_sliced,
+    load_rank0_broadcast,
+    load_replicated,
+    load_sliced,
+)
+
+SLICED_INIT_NOTE = (
+    "sliced draws each shard on its own rank, so its shards cannot equal a single-process "
+    "draw with the same seed; only replicated tensors are checked (they agree across ranks)"
+)
+
+
+@dataclass
+class LoadOptions:
+    strategy: str = "sliced"
+    init: str = "checkpoint"  # or "random"
+    seed: int = 0
+    memory_hz: float = 20.0
+    profile_dir: str | None = None
+    seed_skew: dict[int, int] = field(default_factory=dict)  # test hook: rank -> seed offset
+
+    def validate(self, plan: ResolvedPlan) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"unknown strategy {self.strategy!r} (choose from {', '.join(STRATEGIES)})"
+            )
+        if self.init not in ("checkpoint", "random"):
+            raise ValueError(f"init must be 'checkpoint' or 'random', not {self.init!r}")
+        if self.init == "checkpoint" and not plan.has_weights:
+            raise ValueError(
+                f"{plan.source} holds no weights (config.json only); pass init='random' "
+                "(CLI: --init random --seed N) to initialise instead"
+            )
+
+
+@dataclass
+class ShardedModel:
+    """One rank's loaded model and its entry of the load result."""
+
+    model: nn.Module
+    plan: ResolvedPlan
+    adapter: ModelAdapter
+    rank: int
+    device: torch.device
+    result: dict[str, Any]
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.adapter.logits(self.model, input_ids.to(self.device))
+
+    def shard_report(self) -> list[dict]:
+        return shard_report(self.model, self.plan, self.rank)
+
+
+def rank_device(device: str) -> torch.device:
+    if device == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device(device)
+
+
+def load_in_group(
+    plan: ResolvedPlan, options: LoadOptions, sink: EventSink, device: torch.device
+) -> ShardedModel:
+    """Load `plan` on this rank. Every rank of the default process group calls it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != plan.world_size:
+        raise ValueError(f"the plan is for {plan.world_size} ranks, the process group has {world}")
+    options.validate(plan)
+    plan.raise_for_errors()
+    sink.emit(Phase(rank, time.time(), name="skeleton"))
+    config = read_config(plan.source)
+    adapter = get_adapter(config, plan.model)
+    model = build_skeleton(adapter, config).to(torch_dtype(plan.dtype))
+    ledger = Ledger()
+    adapter.compute_buffers(model, device)
+    for t in plan.params:
+        if t.origin == "computed":
+            ledger.alloc(local_of(lookup(model, t.name)).nbytes)
+    mesh = init_device_mesh(device.type, (world,))
+    apply_styles(model, plan, mesh)
+
+    sampler = MemorySampler(rank, ledger, sink.emit, options.memory_hz, device, on_tick=sink.flush)
+    seed = options.seed + options.seed_skew.get(rank, 0)
+    ctx = LoadContext(
+        model=model,
+        plan=plan,
+        adapter=adapter,
+        rank=rank,
+        device=device,
+        comm_device=device if dist.get_backend() == "nccl" else torch.device("cpu"),
+        ledger=ledger,
+        emit=sink.emit,
+        sample=sampler.sample,
+        seed=seed,
+    )
+    if options.init == "checkpoint":
+        ctx.checkpoint = Checkpoint.open(plan.source)
+        ctx.reader = BlockReader()
+    from ..profiling import rank_profiler
+
+    with contextlib.ExitStack() as stack:
+        if ctx.reader is not None:
+            stack.enter_context(ctx.reader)
+        sampler.start()
+        stack.callback(sampler.stop)
+        sink.emit(Phase(rank, time.time(), name="ready"))
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        sampler.peak = peak = PeakRss()
+        sampler.sample()
+        sink.emit(Phase(rank, time.time(), name="loading"))
+        profiler = stack.enter_context(rank_profiler(options.profile_dir, rank, device))
+        if profiler is not None:
+            ctx.span = profiler.span
+        start = time.perf_counter()
+        _run_strategy(ctx, options, config)
+        seconds = time.perf_counter() - start
+        dist.barrier()
+        load_seconds = time.perf_counter() - start
+        sampler.sample()
+
+    sink.emit(Phase(rank, time.time(), name="checking"))
+    rows = shard_report(model, plan, rank)
+    leftover = leftover_meta(model)
+    mismatches = [r["name"] for r in rows if not r["matches"]] + leftover
+    fc = forecast(plan, options.strategy, device.type, options.init)
+    result: dict[str, Any] = {
+        "rank": rank,
+        "seconds": seconds,
+        "load_seconds": load_seconds,
+        "param_bytes": sum(r["bytes"] for r in rows),
+        "planned_bytes": plan.per_rank_bytes[rank],
+        "peak_rss_bytes": peak.growth(),
+        "rss_baseline_bytes": peak.baseline,
+        "peak_tensor_bytes": ledger.peak,
+        "forecast_peak_bytes": fc.peak_bytes[rank],
+        "bytes_sent": ctx.traffic.sent,
+        "bytes_received": ctx.traffic.received,
+        "forecast_bytes_sent": fc.sent_bytes[rank],
+        "forecast_bytes_received": fc.received_bytes[rank],
+        "plan_matches_shards": not mismatches,
+        "mismatches": mismatches[:20],
+    }
+    if device.type == "cuda":
+        result["peak_cuda_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    if profiler is not None:
+        result["profile"] = profiler.summary()
+    if options.init == "random":
+        result["init"] = check_random_init(ctx, options, config)
+    sink.emit(Phase(rank, time.time(), name="loaded"))
+    sink.emit(Done(rank, time.time(), result=result))
+    return ShardedModel(model, plan, adapter, rank, device, result)
+
+
+def _run_strategy(ctx: LoadContext, options: LoadOptions, config: dict) -> None:
+    if options.init == "checkpoint":
+        {
+            "sliced": load_sliced,
+            "rank0_broadcast": load_rank0_broadcast,
+            "replicated": load_replicated,
+        }[options.strategy](ctx)
+    elif options.strategy == "sliced":
+        init_sliced(ctx)
+    elif options.strategy == "replicated":
+        load_replicated(ctx, FullModel(ctx.plan, ctx.adapter, config, ctx.seed))
+    else:
+        reference = FullModel(ctx.plan, ctx.adapter, config, ctx.seed) if ctx.rank == 0 else None
+        load_rank0_broadcast(ctx, reference)
+
+
+def _checksum(tensor: torch.Tensor) -> int:
+    data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+    return zlib.crc32(data)
+
+
+def check_random_init(ctx: LoadContext, options: LoadOptions, config: dict) -> dict[str, Any]:
+    """Do the ranks hold one consistent model? Replicated tensors must agree across ranks;
+    for replicated and rank0_broadcast the gathered tensors must equal a single-process
+    initialisation with the same seed (streamed unit by unit through rank 0)."""
+    plan = ctx.plan
+    replicated = [t for t in plan.params if t.origin == "checkpoint" and t.shard_dim is None]
+    mine = [_checksum(local_of(lookup(ctx.model, t.name))) for t in replicated]
+    every: list[list[int]] = [None] * plan.world_size  # type: ignore[list-item]
+    dist.all_gather_object(every, mine)
+    inconsistent = [t.name for i, t in enumerate(replicated) if len({c[i] for c in every}) > 1]
+    report: dict[str, Any] = {
+        "seed": options.seed,
+        "strategy": options.strategy,
+        "replicated_consistent": not inconsistent,
+        "inconsistent": inconsistent[:20],
+    }
+    if options.strategy == "sliced":
+        report.update(matches_single_process=None, mismatched=[], note=SLICED_INIT_NOTE)
+    else:
+        mismatched = _compare_with_single_process(ctx, config, options.seed)
+        report.update(matches_single_process=not mismatched, mismatched=mismatched[:20])
+    report["ok"] = not inconsistent and not report["mismatched"]
+    return report
+
+
+def _compare_with_single_process(ctx: LoadContext, config: dict, seed: int) -> list[str]:
+    """Names of tensors whose gathered value differs from a single-process init (rank 0's
+    list; other ranks return []). Ranks send their shards to rank 0 unit by unit."""
+    plan, rank = ctx.plan, ctx.rank
+    reference = FullModel(plan, ctx.adapter, config, seed) if rank == 0 else None
+    mismatched: list[str] = []
+    for module, tensors in plan.units():
+        if reference is not None:
+            fulls = reference.materialize(None, module, tensors)
+        for i, t in enumerate(tensors):
+            local = local_of(lookup(ctx.model, t.name)).detach()
+            if t.shard_dim is None:
+                if reference is not None and not torch.equal(local.cpu(), fulls[i]):
+                    mismatched.append(t.name)
+                continue
+            if rank != 0:
+                if local.numel():
+                    dist.send(local.to(ctx.comm_device).contiguous(), 0)
+                continue
+            same = True
+            for r in range(plan.world_size):
+                if not t.ranks[r].bytes:
+                    continue
+                part = local
+                if r:
+                    part = torch.empty(t.ranks[r].shape, dtype=local.dtype, device=ctx.comm_device)
+                    dist.recv(part, r)
+                expected = torch.empty(t.ranks[r].shape, dtype=local.dtype)
+                same &= torch.equal(part.cpu(), fill_part(expected, fulls[i], t, r))
+            if not same:
+                mismatched.append(t.name)
+        if reference is not None:
+            reference.dematerialize(tensors)
+    return mismatched
+
+
+def load_sharded(
+    source: str | os.PathLike,
+    plan: dict | str | os.PathLike | ResolvedPlan | None = None,
+    *,
+    strategy: str = "sliced",
+    dtype: str | None = None,
+    model: str | None = None,
+    device: str | None = None,
+    init: str = "checkpoint",
+    seed: int = 0,
+    events_dir: str | os.PathLike | None = None,
+    memory_hz: float = 20.0,
+    profile_dir: str | os.PathLike | None = None,
+) -> ShardedModel:
+    """Load a model tensor-parallel inside the caller's process group (e.g. under torchrun).
+
+    Initialises the default process group from the environment if needed (gloo on CPU, nccl
+    on CUDA). With `events_dir`, each rank writes its events to `rank{r}.jsonl` there.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    world = dist.get_world_size()
+    resolved = resolve_plan(source, world, plan, dtype=dtype, model=model)
+    options = LoadOptions(
+        strategy=strategy,
+        init=init,
+        seed=seed,
+        memory_hz=memory_hz,
+        profile_dir=str(profile_dir) if profile_dir else None,
+    )
+    sink = EventSink(dist.get_rank(), events_dir=events_dir)
+    try:
+        return load_in_group(resolved, options, sink, rank_device(device))
+    finally:
+        sink.close()

@@ -1,0 +1,131 @@
+"""Memory inside one rank: resident set readings, the kernel's peak, and a sampler thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import psutil
+import torch
+
+from ..events import Memory
+from ..plan import Ledger
+
+
+def rss_anon() -> int | None:
+    """Anonymous resident bytes (not file-backed pages), where the OS reports them."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's high-water mark of resident memory (Linux `clear_refs` 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def kernel_peak_rss() -> int | None:
+    """VmHWM: the peak resident set since the last reset."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class PeakRss:
+    """Peak resident set during a span, minus the resident set when it began.
+
+    Uses the kernel's high-water mark where it can be reset, so short spikes between samples
+    count; elsewhere the largest sample seen.
+    """
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self.baseline = self._process.memory_info().rss
+        self._kernel = reset_peak_rss()
+        self._sampled = self.baseline
+
+    def observe(self, rss: int) -> None:
+        self._sampled = max(self._sampled, rss)
+
+    def growth(self) -> int:
+        peak = self._sampled
+        if self._kernel:
+            peak = max(peak, kernel_peak_rss() or 0)
+        return max(0, peak - self.baseline)
+
+
+class MemorySampler:
+    """Samples memory at `rate_hz` in a daemon thread and on demand (`sample()` at unit
+    boundaries); `on_tick` runs after each timed sample (the event sink flushes there)."""
+
+    def __init__(
+        self,
+        rank: int,
+        ledger: Ledger,
+        emit: Callable[[Memory], None],
+        rate_hz: float = 20.0,
+        device: torch.device | None = None,
+        on_tick: Callable[[], None] | None = None,
+    ):
+        self.rank = rank
+        self.ledger = ledger
+        self.emit = emit
+        self.interval = 1.0 / rate_hz if rate_hz > 0 else None
+        self.cuda = device if device is not None and device.type == "cuda" else None
+        self.on_tick = on_tick
+        self.peak: PeakRss | None = None
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> Memory:
+        rss = self._process.memory_info().rss
+        if self.peak is not None:
+            self.peak.observe(rss)
+        event = Memory(
+            self.rank,
+            time.time(),
+            rss=rss,
+            rss_anon=rss_anon(),
+            tensor_bytes=self.ledger.current,
+            cuda_allocated=torch.cuda.memory_allocated(self.cuda) if self.cuda else None,
+            cuda_reserved=torch.cuda.memory_reserved(self.cuda) if self.cuda else None,
+        )
+        self.emit(event)
+        return event
+
+    def start(self) -> None:
+        if self.interval is None:
+            return
+        self._thread = threading.Thread(
+            target=self._run, name=f"tpviz-memory-{self.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+            if self.on_tick:
+                self.on_tick()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

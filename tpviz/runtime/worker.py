@@ -1,0 +1,161 @@
+"""The entry point of a rank spawned by `tpviz.launch`, and its command loop after loading.
+
+It lives in tpviz (never in `__main__`) so that spawning works from a Jupyter kernel. Each rank
+talks to the launcher over one duplex pipe: events and replies go up, commands come down. A
+watchdog thread ends the rank within a fraction of a second if the launcher process dies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..events import Error, Phase
+from ..plan import ResolvedPlan
+from .loader import LoadOptions, ShardedModel, load_in_group, rank_device
+from .parallelize import local_of
+from .sink import EventSink
+from .strategies import LoadFailure
+
+PARENT_POLL_SECONDS = 0.2
+
+
+@dataclass
+class WorkerSpec:
+    plan: ResolvedPlan
+    options: LoadOptions
+    device: str
+    rendezvous: str  # file rendezvous path in the launcher's private temp dir
+    parent_pid: int
+    threads: int
+    timeout: float  # process-group timeout, seconds
+    events_dir: str | None = None
+
+
+def _watch_parent(parent_pid: int) -> None:
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_SECONDS)
+            if os.getppid() != parent_pid:
+                os._exit(3)  # the launcher is gone (e.g. a restarted kernel): leave nothing
+
+    threading.Thread(target=watch, name="tpviz-parent-watch", daemon=True).start()
+
+
+def run_rank(rank: int, spec: WorkerSpec, conn: Connection) -> None:
+    world = spec.plan.world_size
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        GLOO_SOCKET_IFNAME="lo",
+        NCCL_SOCKET_IFNAME="lo",
+    )
+    _watch_parent(spec.parent_pid)
+    torch.set_num_threads(spec.threads)
+    lock = threading.Lock()
+
+    def send(message: Any) -> None:
+        with lock:
+            conn.send(message)
+
+    sink = EventSink(rank, send, spec.events_dir)
+    try:
+        sink.emit(Phase(rank, time.time(), name="starting"))
+        device = rank_device(spec.device)
+        dist.init_process_group(
+            "nccl" if spec.device == "cuda" else "gloo",
+            init_method=f"file://{spec.rendezvous}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=spec.timeout),
+        )
+        loaded = load_in_group(spec.plan, spec.options, sink, device)
+        sink.flush()
+        _serve(loaded, conn, send)
+    except BaseException as e:  # report, then leave at once: peers may be stuck in collectives
+        module = e.module if isinstance(e, LoadFailure) else None
+        file = e.file if isinstance(e, LoadFailure) else getattr(e, "file", None)
+        try:
+            sink.emit(
+                Error(
+                    rank,
+                    time.time(),
+                    message=str(e) or type(e).__name__,
+                    module=module,
+                    file=file,
+                    traceback=traceback.format_exc(),
+                )
+            )
+            sink.close()
+        finally:
+            os._exit(1)
+    sink.close()
+    dist.destroy_process_group()
+
+
+def _serve(loaded: ShardedModel, conn: Connection, send: Callable[[Any], None]) -> None:
+    while True:
+        try:
+            command, command_id, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        if command == "shutdown":
+            send(("reply", command_id, True, None))
+            return
+        try:
+            payload = COMMANDS[command](loaded, *args)
+            send(("reply", command_id, True, payload))
+        except Exception as e:
+            send(
+                (
+                    "reply",
+                    command_id,
+                    False,
+                    f"rank {loaded.rank}: {command} failed: {type(e).__name__}: {e}\n"
+                    f"{traceback.format_exc()}",
+                )
+            )
+
+
+def _forward(loaded: ShardedModel, input_ids: torch.Tensor) -> torch.Tensor | None:
+    logits = loaded.forward(input_ids)
+    return logits.cpu() if loaded.rank == 0 else None
+
+
+def resolve_callable(fn: Callable | str) -> Callable:
+    """A function, or its import path `pkg.mod:fn`."""
+    if callable(fn):
+        return fn
+    module, _, name = str(fn).partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _call(loaded: ShardedModel, fn: Callable | str, args: tuple, kwargs: dict) -> Any:
+    return resolve_callable(fn)(loaded.model, *args, **kwargs)
+
+
+def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's local tensors (shards as they are held), on CPU: for `LoadJob.call`."""
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    return {name: local_of(t).detach().cpu().clone() for name, t in tensors.items()}
+
+
+COMMANDS: dict[str, Callable[..., Any]] = {
+    "forward": _forward,
+    "shard_report": lambda loaded: loaded.shard_report(),
+    "call": _call,
+}
