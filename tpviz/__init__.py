@@ -17,6 +17,7 @@ _EXPORTS = {
     "PlanError": "tpviz.plan",
     "make_checkpoint": "tpviz.models.demo",
     "launch": "tpviz.launch",
+    "compare": "tpviz.launch",
     "LoadJob": "tpviz.launch",
     "LoadError": "tpviz.launch",
     "load_sharded": "tpviz.runtime.loader",

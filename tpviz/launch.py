@@ -547,3 +547,51 @@ def launch(
     return LoadJob(
         resolved, options, device=device, timeout=timeout, verify=verify, events_dir=events_dir
     )
+
+
+def add_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add `ratio_to_sliced` to each result (and each rank) of a comparison."""
+    base = next((r for r in results if r["strategy"] == "sliced"), None)
+    if base is None:
+        return results
+
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b else None
+
+    base_rss = max(r["peak_rss_bytes"] for r in base["ranks"])
+    for res in results:
+        res["ratio_to_sliced"] = {
+            "load_seconds": ratio(res["load_seconds"], base["load_seconds"]),
+            "peak_rss_bytes": ratio(max(r["peak_rss_bytes"] for r in res["ranks"]), base_rss),
+        }
+        for rank, b in zip(res["ranks"], base["ranks"]):
+            rank["ratio_to_sliced"] = {
+                "seconds": ratio(rank["seconds"], b["seconds"]),
+                "peak_rss_bytes": ratio(rank["peak_rss_bytes"], b["peak_rss_bytes"]),
+                "peak_tensor_bytes": ratio(rank["peak_tensor_bytes"], b["peak_tensor_bytes"]),
+            }
+    return results
+
+
+def compare(
+    source: str | os.PathLike,
+    world_size: int,
+    plan: dict | str | os.PathLike | ResolvedPlan | None = None,
+    strategies: tuple[str, ...] = ("sliced", "rank0_broadcast", "replicated"),
+    follow: Callable[[LoadJob], dict[str, Any]] | None = None,
+    **launch_kwargs: Any,
+) -> list[dict[str, Any]]:
+    """Load with each strategy in turn (one job at a time) and return the results, each with
+    `ratio_to_sliced`. `follow(job)` waits for a job (e.g. drawing progress); default `wait`."""
+    resolved = resolve_plan(
+        source,
+        world_size,
+        plan,
+        dtype=launch_kwargs.pop("dtype", None),
+        model=launch_kwargs.pop("model", None),
+    )
+    results = []
+    for strategy in strategies:
+        with launch(source, world_size, resolved, strategy=strategy, **launch_kwargs) as job:
+            results.append(follow(job) if follow else job.wait())
+    return add_ratios(results)

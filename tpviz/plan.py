@@ -572,7 +572,9 @@ def _entry(
     origin: str,
     pattern: str | None,
 ) -> TensorPlan:
-    dtype = target if tensor.dtype.is_floating_point else tensor.dtype
+    # computed buffers (rotary frequencies) keep the dtype the model computes them in
+    cast = tensor.dtype.is_floating_point and origin == "checkpoint"
+    dtype = target if cast else tensor.dtype
     itemsize = dtype.itemsize
     ranks = []
     for rank, blocks in enumerate(shard_blocks(shape, dim, world_size, parts)):
@@ -747,15 +749,17 @@ def forecast(
                 for nbytes in full:
                     ledger.free(nbytes)
         peaks.append(ledger.peak)
-    for t in loaded:
+    for _, unit in plan.units():
         # rank 0 sends every other rank its part; a sliced random init broadcasts only the
-        # replicated tensors (shards are drawn in place)
-        if strategy == "rank0_broadcast" or (
-            strategy == "sliced" and init == "random" and t.shard_dim is None
-        ):
-            for r in range(1, w):
-                sent[0] += t.ranks[r].bytes
-                received[r] += t.ranks[r].bytes
+        # replicated tensors of units that also hold a sharded one (see init_sliced)
+        mixed = any(t.shard_dim is not None for t in unit)
+        for t in unit:
+            if strategy == "rank0_broadcast" or (
+                strategy == "sliced" and init == "random" and mixed and t.shard_dim is None
+            ):
+                for r in range(1, w):
+                    sent[0] += t.ranks[r].bytes
+                    received[r] += t.ranks[r].bytes
     return Forecast(peaks, sent, received)
 
 

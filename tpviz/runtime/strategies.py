@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,7 +230,10 @@ def init_sliced(ctx: LoadContext) -> None:
                 install(ctx.model, t, ctx.empty(t.ranks[ctx.rank].shape, t.dtype)) for t in tensors
             ]
             sharded = any(t.shard_dim is not None for t in tensors)
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                # on CPU, DTensor random ops run locally on the seeded default generator,
+                # which is what is wanted here
+                warnings.filterwarnings("ignore", "DTensor random operators may not have")
                 torch.manual_seed(unit_seed(ctx.seed, index, ctx.rank if sharded else None))
                 ctx.adapter.init_module(ctx.model, ctx.model.get_submodule(module))
             if sharded and ctx.world_size > 1:
