@@ -8,6 +8,7 @@ so no checkpoint pages stay resident in the reading process. Files are opened re
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -44,6 +45,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@functools.cache
 def torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -256,6 +258,10 @@ class BlockReader:
             raise ValueError(
                 f"read buffer for {info.name} must be a contiguous {shape} {info.dtype}"
             )
+        if len(offset) != len(info.shape) or any(
+            o < 0 or o + s > d for o, s, d in zip(offset, shape, info.shape)
+        ):
+            raise ValueError(f"block {offset}+{shape} lies outside {info.name} {list(info.shape)}")
         run, starts = contiguous_runs(info.shape, offset, shape)
         if not starts:
             return out

@@ -6,6 +6,8 @@ execute this very object, so the picture a user sees is what gets loaded.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 import os
@@ -44,13 +46,13 @@ class PlanError(ValueError):
         super().__init__(first + more)
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     offset: list[int]
     shape: list[int]
 
 
-@dataclass
+@dataclass(slots=True)
 class RankShard:
     rank: int
     shape: list[int]
@@ -58,7 +60,7 @@ class RankShard:
     blocks: list[Block]
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorPlan:
     name: str
     module: str
@@ -88,7 +90,7 @@ class TensorPlan:
         return n * torch_dtype(self.source_dtype or self.dtype).itemsize
 
 
-@dataclass
+@dataclass(slots=True)
 class PlanIssue:
     code: str
     name: str
@@ -220,7 +222,7 @@ class _Key:
     pattern: str
     style_given: str
     regex: re.Pattern[str]
-    specificity: tuple[int, int]  # (fewer wildcards, longer) sorts higher
+    specificity: tuple[int, int]  # (explicit indices, length): higher wins
 
 
 class CompiledPlan:
@@ -250,7 +252,8 @@ class CompiledPlan:
                 pass  # reported per module once we know which modules it hits
             body = r"\.".join(r"\d+" if s == "*" else re.escape(s) for s in pattern.split("."))
             regex = re.compile(rf"(?:^|\.){body}$")
-            specificity = (-pattern.split(".").count("*"), len(pattern))
+            # explicit layer indices beat wildcards; then the longer pattern wins
+            specificity = (sum(seg.isdigit() for seg in pattern.split(".")), len(pattern))
             self.keys.append(_Key(pattern, style_given, regex, specificity))
         self.used: set[str] = set()
 
@@ -343,6 +346,11 @@ def resolve_plan(
         return plan
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    with _gc_paused():
+        return _resolve_source(source, world_size, plan, dtype, model, checkpoint)
+
+
+def _resolve_source(source, world_size, plan, dtype, model, checkpoint) -> ResolvedPlan:
     if isinstance(source, nn.Module):
         skeleton, source_name = source, None
         adapter = adapter_for_module(source)
@@ -359,6 +367,19 @@ def resolve_plan(
         patterns = adapter.default_plan(skeleton)
     target = _target_dtype(dtype, config, ckpt)
     return _resolve(skeleton, adapter, config, world_size, patterns, target, ckpt, source_name)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Resolution makes tens of thousands of small objects in a burst; right after importing
+    torch, the collections they trigger cost more than the resolution itself."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _target_dtype(

@@ -7,7 +7,11 @@ optional extra), `pkg.mod:fn` (a user factory `fn(config: dict) -> nn.Module`), 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,10 +148,38 @@ def adapter_for_module(model: nn.Module) -> ModelAdapter:
     return ModelAdapter()
 
 
+@contextlib.contextmanager
+def _skip_meta_init() -> Iterator[None]:
+    """Make torch.nn.init's in-place initialisers return meta tensors untouched. On meta they
+    do nothing, but some of them import torch._dynamo on first use (over a second)."""
+
+    def skipping(original):
+        @functools.wraps(original)
+        def init(tensor, *args, **kwargs):
+            return tensor if tensor.is_meta else original(tensor, *args, **kwargs)
+
+        return init
+
+    names = [n for n in vars(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(nn.init, n) for n in names}
+    with _INIT_PATCH_LOCK:
+        for name, original in saved.items():
+            setattr(nn.init, name, skipping(original))
+        try:
+            yield
+        finally:
+            for name, original in saved.items():
+                setattr(nn.init, name, original)
+
+
+_INIT_PATCH_LOCK = threading.Lock()
+
+
 def build_skeleton(
     adapter: ModelAdapter, config: dict[str, Any], device: str = "meta"
 ) -> nn.Module:
     """The model with every parameter and buffer on `device` (meta: nothing allocated)."""
-    with torch.device(device):
+    skip = _skip_meta_init() if device == "meta" else contextlib.nullcontext()
+    with torch.device(device), skip:
         model = adapter.build(config)
     return model.eval().requires_grad_(False)

@@ -15,6 +15,8 @@ class ConfigError(ValueError):
 def read_config(source: str | Path) -> dict[str, Any]:
     """`config.json` of a checkpoint directory (or of the directory holding a checkpoint file)."""
     path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such file or directory")
     directory = path if path.is_dir() else path.parent
     file = directory / "config.json"
     if not file.exists():

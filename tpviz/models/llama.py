@@ -64,7 +64,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, dims: LlamaDims):
         super().__init__()
         self.dims = dims
-        self.register_buffer("inv_freq", rope_inv_freq(dims), persistent=False)
+        # on meta only the shape matters (and meta arange would import torch._dynamo)
+        on_meta = torch.get_default_device().type == "meta"
+        inv_freq = torch.empty(dims.head_dim // 2) if on_meta else rope_inv_freq(dims)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def tpviz_compute_buffers(self, device: torch.device) -> None:
         """Recompute `inv_freq` for real after the module was built on meta."""

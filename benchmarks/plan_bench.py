@@ -1,0 +1,78 @@
+"""How plan resolution scales with model depth, and what `tpviz plan` costs as a process.
+
+Resolves a Llama-70B-shaped config (hidden 8192, 64 heads, 8 KV heads, vocab 128256) at
+world size 8 with 8, 80 and 800 layers, in-process, best of several runs each, and prints
+the ratios to the 8-layer time: linear cost means about 10x and 100x. Then times the whole
+CLI process (`python -m tpviz plan ... --world-size 8`) on the 80-layer config.
+
+    python benchmarks/plan_bench.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tpviz.plan import resolve_plan
+
+BASE = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    torch_dtype="bfloat16",
+)
+
+
+def best_of(fn, runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = {}
+        for layers in (8, 80, 800):
+            d = Path(tmp) / f"l{layers}"
+            d.mkdir()
+            (d / "config.json").write_text(json.dumps({**BASE, "num_hidden_layers": layers}))
+            sources[layers] = d
+        resolve_plan(sources[8], 8)  # warm imports
+        times = {
+            n: best_of(lambda s=s: resolve_plan(s, 8), 9 if n < 800 else 5)
+            for n, s in sources.items()
+        }
+        print("resolve_plan, world size 8, best of runs:")
+        for n, t in times.items():
+            print(f"  {n:4d} layers: {t * 1000:8.1f} ms   ratio to 8 layers: {t / times[8]:6.1f}x")
+        cli = []
+        for _ in range(3):
+            start = time.perf_counter()
+            subprocess.run(
+                [sys.executable, "-m", "tpviz", "plan", str(sources[80]), "--world-size", "8"],
+                check=True,
+                capture_output=True,
+            )
+            cli.append(time.perf_counter() - start)
+        print(
+            f"tpviz plan (80 layers, 70B) whole process: best {min(cli):.2f} s, "
+            f"worst {max(cli):.2f} s (target < 3 s); in-process resolve "
+            f"{times[80] * 1000:.0f} ms (target < 300 ms)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Shared fixtures: small checkpoints made once per session, and loaded jobs reused across
+assertions (a 2-rank spawn costs seconds, mostly importing torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tpviz.models.demo import make_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="session")
+def tiny(checkpoints) -> Path:
+    """The tiny preset, float32, sharded over several files with an index."""
+    return make_checkpoint(checkpoints / "tiny", "tiny", max_shard_size=600_000)
+
+
+@pytest.fixture(scope="session")
+def tiny_tied(checkpoints) -> Path:
+    return make_checkpoint(checkpoints / "tiny-tied", "tiny", tie_embeddings=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def uneven3(checkpoints) -> Path:
+    """Heads split over 3 ranks; a vocab (1001) and an MLP (352) that do not."""
+    return make_checkpoint(
+        checkpoints / "uneven3",
+        "tiny",
+        hidden=96,
+        heads=6,
+        kv_heads=3,
+        vocab=1001,
+        tie_embeddings=True,
+        seed=2,
+    )
+
+
+@pytest.fixture(scope="session")
+def config_only(checkpoints, tiny) -> Path:
+    out = checkpoints / "config-only"
+    out.mkdir()
+    (out / "config.json").write_text((tiny / "config.json").read_text())
+    return out
+
+
+def write_config(directory: Path, **config) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None):
+    """Run `python -m tpviz ...` in a fresh process; returns the CompletedProcess."""
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, "-m", "tpviz", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+    )
