@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_invalid_input(e: Exception) -> bool:
-    from .launch import LoadError, MemoryForecastError
+    from .launcher import LoadError, MemoryForecastError
 
     if isinstance(e, MemoryForecastError):
         return True
@@ -191,7 +191,7 @@ def _check_errors(plan) -> None:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from .launch import launch
+    from .launcher import launch
     from .report import load_table
 
     plan = _resolve(args)
@@ -213,7 +213,7 @@ def _succeeded(result: dict[str, Any]) -> bool:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from .launch import compare
+    from .launcher import compare
     from .report import compare_table, load_table
 
     plan = _resolve(args)
@@ -233,7 +233,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .launch import launch
+    from .launcher import launch
     from .models.demo import make_checkpoint
     from .plan import resolve_plan
     from .report import load_table, plan_table

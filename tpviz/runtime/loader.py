@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..checkpoint import BlockReader, Checkpoint, torch_dtype
+from ..checkpoint import BlockReader, Checkpoint, CheckpointError, torch_dtype
 from ..events import Done, Phase
 from ..models import ModelAdapter, build_skeleton, get_adapter, read_config
 from ..plan import STRATEGIES, Ledger, ResolvedPlan, forecast, resolve_plan
@@ -28,6 +28,7 @@ from .sink import EventSink
 from .strategies import (
     FullModel,
     LoadContext,
+    LoadFailure,
     fill_part,
     init_sliced,
     load_rank0_broadcast,
@@ -127,7 +128,7 @@ def load_in_group(
         seed=seed,
     )
     if options.init == "checkpoint":
-        ctx.checkpoint = Checkpoint.open(plan.source)
+        ctx.checkpoint = _open_checkpoint(plan)
         ctx.reader = BlockReader()
     from ..profiling import rank_profiler
 
@@ -184,6 +185,18 @@ def load_in_group(
     sink.emit(Phase(rank, time.time(), name="loaded"))
     sink.emit(Done(rank, time.time(), result=result))
     return ShardedModel(model, plan, adapter, rank, device, result)
+
+
+def _open_checkpoint(plan: ResolvedPlan) -> Checkpoint:
+    """The checkpoint's metadata as this rank sees it; a failure names the module too."""
+    try:
+        return Checkpoint.open(plan.source)
+    except CheckpointError as e:
+        try:
+            module = plan.tensor(e.tensor).module if e.tensor else None
+        except KeyError:
+            module = None
+        raise LoadFailure(str(e), module, e.file) from e
 
 
 def _run_strategy(ctx: LoadContext, options: LoadOptions, config: dict) -> None:

@@ -105,6 +105,7 @@ class LoadJob:
         self.error: LoadError | None = None
         self.result: dict[str, Any] | None = None
         self.progress = {r: RankProgress() for r in range(plan.world_size)}
+        self.messages_received = 0  # batches and replies from the ranks: bounded per second
         self._events: list[Event] = []
         self._subscribers: list[Callable[[Event], None]] = []
         self._replies: dict[int, dict[int, tuple[bool, Any]]] = {}
@@ -187,6 +188,7 @@ class LoadJob:
     # --- the pump ---------------------------------------------------------------------------
 
     def _handle(self, rank: int, message: tuple) -> None:
+        self.messages_received += 1
         kind = message[0]
         if kind == "events":
             batch = message[1]

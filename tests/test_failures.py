@@ -1,0 +1,243 @@
+"""Failures end the whole job promptly, name what broke, and leave nothing behind."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import tpviz
+from tpviz.events import UnitStart
+from tpviz.plan import resolve_plan
+
+from .conftest import REPO
+
+PROMPT = 30  # seconds: the generous liveness bound for "promptly"
+
+
+def children() -> list[psutil.Process]:
+    """Live child processes, except the resource tracker that Python's `spawn` start method
+    starts once per process (it lives until this process exits and holds nothing of tpviz)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(
+                p.cmdline()
+            ):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def digest(directory) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(directory.iterdir())}
+
+
+@pytest.fixture
+def broken(tmp_path, tiny):
+    """A copy of the tiny checkpoint, and its plan resolved while it was still whole."""
+    out = tmp_path / "broken"
+    shutil.copytree(tiny, out)
+    return out, resolve_plan(out, 2)
+
+
+def file_of(directory, name):
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    return directory / index["weight_map"][name]
+
+
+def expect_failure(source, plan, **kwargs) -> tpviz.LoadError:
+    start = time.monotonic()
+    with tpviz.launch(source, 2, plan, **kwargs) as job:
+        with pytest.raises(tpviz.LoadError) as err:
+            job.wait(PROMPT)
+        assert job.state == "failed"
+    assert time.monotonic() - start < PROMPT
+    deadline = time.monotonic() + 5
+    while children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert children() == []
+    return err.value
+
+
+def test_truncated_file_names_rank_module_and_file(broken):
+    source, plan = broken
+    name = "model.layers.1.mlp.up_proj.weight"
+    path = file_of(source, name)
+    path.write_bytes(path.read_bytes()[:-4096])
+    before = digest(source)
+    error = expect_failure(source, plan)
+    text = str(error)
+    assert "rank " in text and "truncated" in text and str(path) in text
+    assert error.file == str(path) and error.module and error.module.startswith("model.layers.1")
+    assert digest(source) == before
+
+
+def test_shape_mismatch_found_at_read_time(broken):
+    source, plan = broken
+    name = "model.layers.0.self_attn.k_proj.weight"
+    path = file_of(source, name)
+    tensors = load_file(path)
+    tensors[name] = torch.zeros(32, 128)
+    save_file(tensors, path, metadata={"format": "pt"})
+    before = digest(source)
+    error = expect_failure(source, plan)
+    assert "model.layers.0.self_attn.k_proj" in str(error) and "[32, 128]" in str(error)
+    assert error.module == "model.layers.0.self_attn.k_proj" and error.file == str(path)
+    assert digest(source) == before
+
+
+def test_tensor_missing_at_read_time(broken):
+    source, plan = broken
+    name = "model.norm.weight"
+    path = file_of(source, name)
+    tensors = load_file(path)
+    del tensors[name]
+    save_file(tensors, path, metadata={"format": "pt"})
+    error = expect_failure(source, plan)
+    assert name in str(error) and error.module == "model.norm"
+    assert error.rank in (0, 1) and str(path.name) in str(error)
+
+
+def test_rank_failing_in_rank0_broadcast_does_not_leave_peers_waiting(broken):
+    source, plan = broken
+    path = file_of(source, "model.layers.0.mlp.gate_proj.weight")
+    path.write_bytes(path.read_bytes()[:100])
+    error = expect_failure(source, plan, strategy="rank0_broadcast")
+    assert error.rank == 0 and str(path) in str(error)
+
+
+@pytest.fixture(scope="module")
+def small(checkpoints):
+    from tpviz.models.demo import make_checkpoint
+
+    return make_checkpoint(checkpoints / "small", "small")
+
+
+def test_rank_killed_from_outside_fails_the_job_naming_it(small):
+    killed = threading.Event()
+
+    def kill_rank1(event):
+        if isinstance(event, UnitStart) and event.rank == 1 and not killed.is_set():
+            killed.set()
+            os.kill(job._procs[1].pid, signal.SIGKILL)
+
+    start = time.monotonic()
+    with tpviz.launch(small, 2) as job:
+        job.subscribe(kill_rank1)
+        with pytest.raises(tpviz.LoadError, match="rank 1 died") as err:
+            job.wait(PROMPT)
+    assert "SIGKILL" in str(err.value) and err.value.rank == 1
+    assert time.monotonic() - start < PROMPT
+    assert children() == []
+
+
+PARENT = textwrap.dedent("""
+    import sys, time, tpviz
+    if __name__ == "__main__":
+        job = tpviz.launch(sys.argv[1], 2)
+        job.wait(120)
+        print(" ".join(str(p.pid) for p in job._procs), flush=True)
+        time.sleep(600)
+""")
+
+
+def test_killed_parent_takes_every_rank_with_it(tmp_path, tiny):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    parent = subprocess.Popen(
+        [sys.executable, str(script), str(tiny)], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_cancel_and_timeout_end_every_rank(tiny):
+    job = tpviz.launch(tiny, 2)
+    job.cancel()
+    with pytest.raises(tpviz.LoadError, match="cancelled"):
+        job.wait(PROMPT)
+    assert job.state == "cancelled" and children() == []
+    job.shutdown()
+    with tpviz.launch(tiny, 2, timeout=0.5) as job:
+        with pytest.raises(tpviz.LoadError, match="timeout"):
+            job.wait(PROMPT)
+    assert children() == []
+
+
+def _open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_twenty_launch_cancel_cycles_leave_nothing_behind(tiny):
+    plan = resolve_plan(tiny, 2)
+    with tpviz.launch(tiny, 2, plan) as job:  # warm: first-use imports and threads
+        job.wait(120)
+    threads, files = threading.active_count(), _open_files()
+    for i in range(20):
+        job = tpviz.launch(tiny, 2, plan)
+        if i % 2:
+            time.sleep(0.3)
+        job.cancel()
+        job.shutdown()
+    assert children() == []
+    assert threading.active_count() == threads
+    assert _open_files() == files
+    with tpviz.launch(tiny, 2, plan) as job:
+        assert job.wait(120)["plan_matches_shards"]
+
+
+def test_ranks_listen_on_loopback_only(tiny):
+    with tpviz.launch(tiny, 2) as job:
+        job.wait(120)
+        listening = []
+        for proc in [psutil.Process(), *children()]:
+            listening += [
+                c.laddr.ip
+                for c in proc.net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN
+            ]
+        assert listening, "gloo should have listeners to check"
+        assert set(listening) <= {"127.0.0.1", "::1"}
+
+
+def test_memory_forecast_refuses_what_cannot_fit_this_machine(tmp_path):
+    from .conftest import write_config
+    from .test_plan import LLAMA_70B
+
+    source = write_config(tmp_path / "llama70b", **LLAMA_70B)  # 131 GiB of bf16 weights
+    with pytest.raises(tpviz.launcher.MemoryForecastError) as err:
+        tpviz.launch(source, 2, strategy="replicated", init="random")
+    message = str(err.value)
+    assert "replicated needs about" in message and "GiB is available" in message
+    assert "--force" in message
+    assert children() == []

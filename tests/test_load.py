@@ -1,0 +1,210 @@
+"""Module-by-module sharded loading in spawned process groups (CPU, gloo).
+
+One loaded 2-rank job is shared by most assertions; other world sizes each load once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpviz
+from tpviz.events import Done, Memory, Phase, UnitDone, UnitStart
+from tpviz.launcher import FIXED_PROMPT
+from tpviz.plan import resolve_plan
+
+RANK_KEYS = {
+    "rank",
+    "seconds",
+    "param_bytes",
+    "planned_bytes",
+    "peak_rss_bytes",
+    "peak_tensor_bytes",
+    "forecast_peak_bytes",
+    "bytes_sent",
+    "bytes_received",
+}
+
+
+@pytest.fixture(scope="module")
+def job2(tiny):
+    job = tpviz.launch(tiny, 2, verify=True, timeout=120)
+    job.wait(120)
+    yield job
+    job.shutdown()
+
+
+def test_result_follows_the_load_json_contract(job2):
+    r = job2.result
+    for key in (
+        "strategy",
+        "world_size",
+        "dtype",
+        "startup_seconds",
+        "load_seconds",
+        "plan_matches_shards",
+        "ranks",
+        "verify",
+    ):
+        assert key in r
+    assert r["strategy"] == "sliced" and r["world_size"] == 2 and r["dtype"] == "float32"
+    assert r["startup_seconds"] > 0 and r["load_seconds"] > 0
+    assert all(RANK_KEYS <= set(rank) for rank in r["ranks"])
+    assert [rank["rank"] for rank in r["ranks"]] == [0, 1]
+
+
+def test_param_bytes_equal_the_plan_exactly(job2):
+    plan = job2.plan
+    for rank in job2.result["ranks"]:
+        assert rank["param_bytes"] == rank["planned_bytes"] == plan.per_rank_bytes[rank["rank"]]
+    assert job2.result["plan_matches_shards"]
+
+
+def test_tensor_accounting_equals_the_forecast_and_stays_at_the_shard(job2):
+    for rank in job2.result["ranks"]:
+        # float32 on CPU: every block is read straight into its final tensor
+        assert rank["peak_tensor_bytes"] == rank["forecast_peak_bytes"] == rank["param_bytes"]
+        assert rank["bytes_sent"] == rank["bytes_received"] == 0
+
+
+def test_logits_match_the_single_process_reference(job2):
+    verify = job2.result["verify"]
+    assert verify["ok"] and verify["max_abs_diff"] <= 1e-4 and verify["tolerance"] == 1e-4
+    logits = job2.forward(torch.tensor(FIXED_PROMPT))
+    assert logits.shape == (1, 8, 1000)
+    assert torch.isfinite(logits).all()
+
+
+def test_shard_report_shows_real_shards_as_planned(job2):
+    report = job2.shard_report()
+    assert len(report) == 2
+    for rank, rows in enumerate(report):
+        by_name = {row["name"]: row for row in rows}
+        assert set(by_name) == {t.name for t in job2.plan.params}
+        q = by_name["model.layers.0.self_attn.q_proj.weight"]
+        assert q["shape"] == [64, 128] and q["placement"] == "shard(0)"
+        assert by_name["model.layers.0.self_attn.o_proj.weight"]["placement"] == "shard(1)"
+        assert by_name["model.norm.weight"]["placement"] == "replicate"
+        assert all(row["matches"] and row["device"] == "cpu" for row in rows)
+        assert sum(row["bytes"] for row in rows) == job2.plan.per_rank_bytes[rank]
+
+
+def shard_fingerprint(model, name):
+    """Runs on every rank: the local shard of `name`, as held."""
+    from tpviz.runtime.parallelize import local_of
+
+    return local_of(model.get_parameter(name)).clone()
+
+
+def test_call_runs_on_every_rank_and_shards_hold_the_checkpoint_slices(job2, tiny):
+    from safetensors.torch import load_file
+
+    name = "model.layers.1.mlp.down_proj.weight"
+    parts = job2.call(shard_fingerprint, name)
+    assert len(parts) == 2
+    full = {}
+    for f in tiny.glob("*.safetensors"):
+        full.update(load_file(f))
+    assert torch.equal(torch.cat(parts, dim=1), full[name])
+    by_path = job2.call("tests.test_load:shard_fingerprint", name)
+    assert all(torch.equal(a, b) for a, b in zip(parts, by_path))
+
+
+def test_events_cover_phases_units_and_memory(job2):
+    events = job2.events
+    units = len(job2.plan.units())
+    for rank in (0, 1):
+        mine = [e for e in events if e.rank == rank]
+        assert sum(isinstance(e, UnitStart) for e in mine) == units
+        done = [e for e in mine if isinstance(e, UnitDone)]
+        assert [e.index for e in done] == list(range(units))
+        assert sum(e.bytes for e in done) == job2.plan.per_rank_bytes[rank] - 32  # inv_freq
+        memory = [e for e in mine if isinstance(e, Memory)]
+        assert len(memory) >= units  # a sample at every unit boundary, at least
+        assert all(m.rss > 0 and m.tensor_bytes >= 0 for m in memory)
+        assert any(m.rss_anon for m in memory)
+        phases = [e.name for e in mine if isinstance(e, Phase)]
+        assert phases[:4] == ["starting", "skeleton", "ready", "loading"]
+        assert phases[-2:] == ["checking", "loaded"]
+        assert sum(isinstance(e, Done) for e in mine) == 1
+    assert all(e.v == 1 and e.t > 0 for e in events)
+
+
+def test_subscribers_get_past_and_new_events(job2):
+    seen = []
+    unsubscribe = job2.subscribe(seen.append)
+    assert len(seen) == len(job2.events)
+    unsubscribe()
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_tiny_at_other_world_sizes(tiny, world_size):
+    with tpviz.launch(tiny, world_size, verify=True) as job:
+        result = job.wait(180)
+    assert result["verify"]["ok"] and result["verify"]["max_abs_diff"] <= 1e-4
+    assert result["plan_matches_shards"]
+    plan = resolve_plan(tiny, world_size)
+    assert [r["param_bytes"] for r in result["ranks"]] == plan.per_rank_bytes
+
+
+def tied_storage(model):
+    from tpviz.runtime.parallelize import local_of
+
+    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    return head is embed, local_of(head).data_ptr() == local_of(embed).data_ptr()
+
+
+def test_uneven_world_size_3_with_tied_embeddings(uneven3):
+    plan = resolve_plan(uneven3, 3)
+    assert [r.shape[0] for r in plan.tensor("lm_head.weight").ranks] == [334, 334, 333]
+    with tpviz.launch(uneven3, 3, plan, verify=True) as job:
+        result = job.wait(180)
+        assert job.call(tied_storage) == [(True, True)] * 3
+    assert result["verify"]["ok"] and result["verify"]["max_abs_diff"] <= 1e-4
+    assert result["plan_matches_shards"]
+    assert [r["param_bytes"] for r in result["ranks"]] == plan.per_rank_bytes
+
+
+def test_a_thousand_modules_do_not_flood_the_caller(checkpoints):
+    from tpviz.models.demo import make_checkpoint
+
+    deep = make_checkpoint(
+        checkpoints / "deep",
+        "tiny",
+        layers=111,
+        hidden=32,
+        heads=2,
+        kv_heads=2,
+        intermediate=32,
+        vocab=64,
+    )
+    with tpviz.launch(deep, 2) as job:
+        result = job.wait(180)
+        units = len(job.plan.units())
+        assert units >= 1000
+        done = [e for e in job.events if isinstance(e, UnitDone)]
+        assert len(done) == 2 * units  # nothing lost
+        seconds = max(r["seconds"] for r in result["ranks"]) + result["startup_seconds"]
+        # batched: at most ~20 messages a second per rank, plus phase changes
+        assert job.messages_received <= 2 * (25 * seconds + 20), job.messages_received
+        assert job.messages_received < len(job.events) / 10
+
+
+def test_bfloat16_reads_through_a_staging_buffer_of_one_slice(tiny):
+    plan = resolve_plan(tiny, 2, dtype="bfloat16")
+    with tpviz.launch(tiny, 2, plan, verify=True) as job:
+        result = job.wait(120)
+    assert result["verify"]["ok"] and result["verify"]["tolerance"] == 5e-2
+    for rank in result["ranks"]:
+        assert rank["param_bytes"] == plan.per_rank_bytes[rank["rank"]]
+        assert rank["peak_tensor_bytes"] == rank["forecast_peak_bytes"]
+        assert rank["param_bytes"] < rank["peak_tensor_bytes"]
+        largest = max(t.source_nbytes(t.ranks[rank["rank"]].bytes // 2) for t in plan.params)
+        assert rank["peak_tensor_bytes"] <= rank["param_bytes"] + largest
+
+
+def test_commands_before_loading_are_refused(tiny):
+    with tpviz.launch(tiny, 2) as job:
+        with pytest.raises(tpviz.LoadError, match="commands need a loaded model"):
+            job.shard_report()
+        job.wait(120)

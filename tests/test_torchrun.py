@@ -1,0 +1,55 @@
+"""`load_sharded` inside a process group made by a real torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tpviz.events import Done, Memory, UnitDone, UnitStart, read_events_dir
+from tpviz.plan import resolve_plan
+
+from .conftest import REPO
+
+
+def test_load_sharded_under_torchrun_writes_each_ranks_events(tmp_path, tiny):
+    events_dir = tmp_path / "events"
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+    }
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(REPO / "tests" / "torchrun_load.py"),
+            str(tiny),
+            str(events_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    output = json.loads(run.stdout.strip().splitlines()[-1])
+    assert output["logits_shape"] == [1, 4, 1000]
+    assert output["result"]["plan_matches_shards"]
+    assert sorted(p.name for p in events_dir.iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
+    events = read_events_dir(events_dir)
+    units = len(resolve_plan(tiny, 2).units())
+    for rank in (0, 1):
+        mine = [e for e in events if e.rank == rank]
+        assert sum(isinstance(e, UnitStart) for e in mine) == units
+        assert sum(isinstance(e, UnitDone) for e in mine) == units
+        assert sum(isinstance(e, Memory) for e in mine) >= units
+        (done,) = [e for e in mine if isinstance(e, Done)]
+        assert done.result["param_bytes"] == done.result["planned_bytes"]
