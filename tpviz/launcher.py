@@ -56,6 +56,8 @@ class MemoryForecastError(LoadError):
 
 @dataclass
 class RankProgress:
+    """What the launcher knows of one rank: updated by the pump thread as events arrive."""
+
     units_done: int = 0
     units_total: int = 0
     bytes_done: int = 0
@@ -104,7 +106,12 @@ class LoadJob:
         self.state = "starting"  # -> loaded | failed | cancelled, then closed
         self.error: LoadError | None = None
         self.result: dict[str, Any] | None = None
-        self.progress = {r: RankProgress() for r in range(plan.world_size)}
+        units = plan.units()
+        self.progress = {
+            r: RankProgress(units_total=len(units),
+                            bytes_total=sum(t.ranks[r].bytes for _, ts in units for t in ts))
+            for r in range(plan.world_size)
+        }
         self.messages_received = 0  # batches and replies from the ranks: bounded per second
         self._events: list[Event] = []
         self._subscribers: list[Callable[[Event], None]] = []
@@ -224,14 +231,8 @@ class LoadJob:
             progress.phase_times[event.name] = event.t
         elif isinstance(event, UnitStart):
             progress.module = event.module
-            progress.units_total = event.total
-            if not progress.bytes_total:
-                progress.bytes_total = self.plan.per_rank_bytes[event.rank] - sum(
-                    t.ranks[event.rank].bytes for t in self.plan.params if t.origin == "computed"
-                )
         elif isinstance(event, UnitDone):
             progress.units_done = event.index + 1
-            progress.units_total = event.total
             progress.bytes_done += event.bytes
 
     def _rank_done(self, rank: int, entry: dict[str, Any]) -> None:
@@ -387,7 +388,7 @@ class LoadJob:
         from .runtime.strategies import FullModel
 
         config = read_config(self.plan.source)
-        adapter = get_adapter(config, self.plan.model)
+        adapter = get_adapter(config, self.plan.model, self.plan.source)
         vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size"))
         ids = torch.tensor(FIXED_PROMPT) % vocab
         sharded = self.forward(ids)

@@ -358,7 +358,7 @@ def _resolve_source(source, world_size, plan, dtype, model, checkpoint) -> Resol
         ckpt = Checkpoint.open(checkpoint) if checkpoint is not None else None
     else:
         config = read_config(source)
-        adapter = get_adapter(config, model)
+        adapter = get_adapter(config, model, source)
         skeleton = build_skeleton(adapter, config)
         ckpt = Checkpoint.open(checkpoint if checkpoint is not None else source)
         source_name = str(Path(source).resolve())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -118,7 +119,10 @@ class FactoryAdapter(ModelAdapter):
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM"}
 
 
-def get_adapter(config: dict[str, Any], model: str | None = "auto") -> ModelAdapter:
+def get_adapter(
+    config: dict[str, Any], model: str | None = "auto", source: str | os.PathLike | None = None
+) -> ModelAdapter:
+    """The adapter `model` names for this config (`source`: the checkpoint directory)."""
     choice = model or "auto"
     if choice == "auto":
         arch = set(config.get("architectures") or [])
@@ -126,13 +130,15 @@ def get_adapter(config: dict[str, Any], model: str | None = "auto") -> ModelAdap
         choice = "builtin" if is_llama else "hf"
     if choice == "builtin":
         return BuiltinLlama()
-    if choice == "hf":
+    if choice in ("hf", "hf-remote-code"):
         from .hf import HFAdapter
 
-        return HFAdapter(config)
+        return HFAdapter(config, source, trust_remote_code=choice == "hf-remote-code")
     if ":" in choice:
         return FactoryAdapter(choice)
-    raise ConfigError(f"--model {choice!r}: expected auto, builtin, hf or PKG.MOD:FN")
+    raise ConfigError(
+        f"--model {choice!r}: expected auto, builtin, hf, hf-remote-code or PKG.MOD:FN"
+    )
 
 
 def adapter_for_module(model: nn.Module) -> ModelAdapter:

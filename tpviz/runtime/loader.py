@@ -103,7 +103,7 @@ def load_in_group(
     plan.raise_for_errors()
     sink.emit(Phase(rank, time.time(), name="skeleton"))
     config = read_config(plan.source)
-    adapter = get_adapter(config, plan.model)
+    adapter = get_adapter(config, plan.model, plan.source)
     model = build_skeleton(adapter, config).to(torch_dtype(plan.dtype))
     ledger = Ledger()
     adapter.compute_buffers(model, device)

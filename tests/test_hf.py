@@ -1,0 +1,181 @@
+"""transformers checkpoints (made here with transformers' own classes and save_pretrained),
+loaded with the TP plans transformers computes, against transformers' own logits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tpviz
+from tpviz.launcher import FIXED_PROMPT
+
+from .conftest import REPO, run_cli
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(
+    vocab_size=1003,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON),  # GQA
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),  # q/k/v bias
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),  # q/k norms
+    "phi3": lambda: transformers.Phi3Config(
+        **{**COMMON, "num_key_value_heads": 8}, pad_token_id=0
+    ),  # fused qkv and gate_up
+}
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for i, (name, make) in enumerate(CONFIGS.items()):
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(make())
+        with torch.no_grad():  # norms away from one, so they matter
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.add_(0.1 * torch.randn_like(p))
+        model.save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+def transformers_logits(source) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(FIXED_PROMPT) % 1003).logits
+
+
+def test_qwen2_is_tied_and_phi3_is_fused(hf_models):
+    qwen2 = tpviz.resolve_plan(hf_models["qwen2"], 2, model="hf")
+    assert qwen2.tensor("model.embed_tokens.weight").tied_to == ["lm_head.weight"]
+    assert qwen2.tensor("model.layers.0.self_attn.q_proj.bias").placement == "shard(0)"
+    phi3 = tpviz.resolve_plan(hf_models["phi3"], 2)
+    assert phi3.model == "hf" and not phi3.errors
+    assert phi3.tensor("model.layers.0.self_attn.qkv_proj.weight").style == "colwise_gather_output"
+    assert phi3.tensor("model.layers.0.mlp.down_proj.weight").style == "rowwise_split_input"
+    qwen3 = tpviz.resolve_plan(hf_models["qwen3"], 2)
+    assert qwen3.tensor("model.layers.0.self_attn.q_norm.weight").style == (
+        "replicated_with_grad_allreduce"
+    )
+
+
+@pytest.mark.parametrize(
+    "name, world_size",
+    [("llama", 2), ("qwen2", 2), ("mistral", 2), ("qwen3", 2), ("qwen3", 4), ("phi3", 2)],
+)
+def test_logits_match_transformers(hf_models, name, world_size):
+    source = hf_models[name]
+    expected = transformers_logits(source)
+    with tpviz.launch(source, world_size, model="hf") as job:
+        result = job.wait(180)
+        logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
+    assert result["plan_matches_shards"]
+    assert (logits - expected).abs().max().item() <= 1e-4
+
+
+def test_packed_colwise_keeps_the_phi3_mlp_sharded(hf_models):
+    source = hf_models["phi3"]
+    plan = {
+        "layers.*.self_attn.qkv_proj": "colwise_gather_output",
+        "layers.*.self_attn.o_proj": "rowwise_split_input",
+        "layers.*.mlp.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "embed_tokens": "embedding_rowwise",
+        "lm_head": "colwise_gather_output",
+    }
+    resolved = tpviz.resolve_plan(source, 2, plan)
+    gate_up = resolved.tensor("model.layers.0.mlp.gate_up_proj.weight")
+    assert [[b.offset[0] for b in r.blocks] for r in gate_up.ranks] == [[0, 256], [128, 384]]
+    expected = transformers_logits(source)
+    with tpviz.launch(source, 2, resolved) as job:
+        result = job.wait(180)
+        logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
+        rows = {r["name"]: r for r in job.shard_report()[1]}
+    assert result["plan_matches_shards"]
+    assert rows["model.layers.0.mlp.gate_up_proj.weight"]["shape"] == [256, 128]
+    assert rows["model.layers.0.mlp.down_proj.weight"]["placement"] == "shard(1)"
+    assert (logits - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cli_plan_and_load_verify(hf_models, name):
+    source = str(hf_models[name])
+    shown = run_cli("plan", source, "--world-size", "2", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert not json.loads(shown.stdout)["errors"]
+    loaded = run_cli("load", source, "--world-size", "2", "--verify", "--json")
+    assert loaded.returncode == 0, loaded.stderr
+    verify = json.loads(loaded.stdout)["verify"]
+    assert verify["ok"] and verify["max_abs_diff"] <= 1e-4
+
+
+def test_random_init_uses_transformers_init(hf_models):
+    with tpviz.launch(
+        hf_models["qwen3"], 2, strategy="rank0_broadcast", init="random", seed=5, verify=True
+    ) as job:
+        result = job.wait(180)
+        std = job.call(_weight_std, "model.layers.0.mlp.up_proj.weight")
+    assert result["init_check"]["ok"] and result["verify"]["ok"]
+    # transformers' _init_weights: normal(0, initializer_range=0.02)
+    assert all(0.015 < s < 0.025 for s in std)
+
+
+def _weight_std(model, name):
+    from tpviz.runtime.parallelize import local_of
+
+    return local_of(model.get_parameter(name)).std().item()
+
+
+def test_moe_expert_styles_are_reported_before_launch(tmp_path):
+    config = transformers.MixtralConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+    )
+    config.save_pretrained(tmp_path / "mixtral")
+    result = run_cli("plan", str(tmp_path / "mixtral"), "--world-size", "2", "--json")
+    assert result.returncode == 2
+    (error,) = [e for e in json.loads(result.stdout)["errors"] if e["code"] == "unsupported_style"]
+    assert "moe_tp_experts" in error["message"] and "model.layers.0.mlp.experts" in error["message"]
+    with pytest.raises(tpviz.PlanError, match="moe_tp_experts"):
+        tpviz.launch(tmp_path / "mixtral", 2, init="random")
+
+
+def test_without_transformers_other_architectures_say_to_install_the_extra(hf_models):
+    code = (
+        "import sys; sys.modules['transformers'] = None; from tpviz.cli import main; "
+        f"sys.exit(main(['plan', {str(hf_models['qwen2'])!r}]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert result.returncode == 2
+    assert "pip install 'tpviz[hf]'" in result.stderr
+    builtin = subprocess.run(
+        [sys.executable, "-c", code.replace(str(hf_models["qwen2"]), str(hf_models["llama"]))],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert builtin.returncode == 0, builtin.stderr  # the Llama family needs no transformers
