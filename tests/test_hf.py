@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tpviz
-from tpviz.launcher import FIXED_PROMPT
+from tpviz.models import FIXED_PROMPT
 
 from .conftest import REPO, run_cli
 

@@ -10,7 +10,7 @@ import torch
 
 import tpviz
 from tpviz.events import Done, Memory, Phase, UnitDone, UnitStart
-from tpviz.launcher import FIXED_PROMPT
+from tpviz.models import FIXED_PROMPT
 from tpviz.plan import resolve_plan
 
 RANK_KEYS = {

@@ -49,6 +49,11 @@ def _load_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", metavar="DIR", help="write torch.profiler traces for TensorBoard")
+    p.add_argument(
+        "--profile-forward",
+        action="store_true",
+        help="with --profile, also profile one forward of the fixed prompt",
+    )
     p.add_argument("--events", metavar="DIR", help="write each rank's events as rank{r}.jsonl")
     p.add_argument("--report", metavar="FILE.html", help="write a self-contained HTML report")
     p.add_argument("--timeout", type=float, help="fail if loading takes longer (seconds)")
@@ -179,6 +184,7 @@ def _launch_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         timeout=args.timeout,
         events_dir=args.events,
         profile_dir=args.profile,
+        profile_forward=args.profile_forward,
         force=args.force,
     )
 

@@ -25,12 +25,11 @@ import psutil
 import torch
 
 from .events import Done, Error, Event, Phase, UnitDone, UnitStart
-from .models import get_adapter, read_config
+from .models import get_adapter, prompt_ids, read_config
 from .plan import ResolvedPlan, forecast, resolve_plan
 from .runtime.loader import LoadOptions
 from .runtime.worker import WorkerSpec, run_rank
 
-FIXED_PROMPT = [[1, 5, 42, 7, 99, 3, 250, 17]]
 LAUNCHER = -1  # the `rank` of events the launcher itself makes
 TERMINATE_GRACE_SECONDS = 3.0
 
@@ -108,8 +107,10 @@ class LoadJob:
         self.result: dict[str, Any] | None = None
         units = plan.units()
         self.progress = {
-            r: RankProgress(units_total=len(units),
-                            bytes_total=sum(t.ranks[r].bytes for _, ts in units for t in ts))
+            r: RankProgress(
+                units_total=len(units),
+                bytes_total=sum(t.ranks[r].bytes for _, ts in units for t in ts),
+            )
             for r in range(plan.world_size)
         }
         self.messages_received = 0  # batches and replies from the ranks: bounded per second
@@ -389,8 +390,7 @@ class LoadJob:
 
         config = read_config(self.plan.source)
         adapter = get_adapter(config, self.plan.model, self.plan.source)
-        vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size"))
-        ids = torch.tensor(FIXED_PROMPT) % vocab
+        ids = prompt_ids(adapter, config)
         sharded = self.forward(ids)
         reference = FullModel(self.plan, adapter, config, self.options.seed)
         if self.options.init == "random":
@@ -510,6 +510,7 @@ def launch(
     verify: bool = False,
     events_dir: str | os.PathLike | None = None,
     profile_dir: str | os.PathLike | None = None,
+    profile_forward: bool = False,
     memory_hz: float = 20.0,
     force: bool = False,
     seed_skew: dict[int, int] | None = None,
@@ -518,6 +519,8 @@ def launch(
 
     `plan` is a pattern dict, a plan file or a ResolvedPlan (whose world size must match).
     `init="random"` initialises from `seed` instead of loading (a config-only source needs it).
+    `profile_dir` writes torch.profiler traces (one TensorBoard worker per rank);
+    `profile_forward` also profiles one forward of the fixed prompt after loading.
     `seed_skew` ({rank: offset}) shifts one rank's seed: a test hook for the init checks.
     """
     resolved = resolve_plan(source, world_size, plan, dtype=dtype, model=model)
@@ -542,6 +545,7 @@ def launch(
         seed=seed,
         memory_hz=memory_hz,
         profile_dir=str(profile_dir) if profile_dir else None,
+        profile_forward=profile_forward,
         seed_skew=dict(seed_skew or {}),
     )
     options.validate(resolved)

@@ -1,14 +1,14 @@
 """torch.profiler wiring: one TensorBoard worker per rank, a range per unit and per phase.
 
 Traces are written with `tensorboard_trace_handler(DIR, worker_name="rank{r}")`, which the
-torch-tb-profiler plugin reads (`tensorboard --logdir DIR`). Without a profile dir nothing
-here runs: the load path then has no profiler in it at all.
+torch-tb-profiler plugin reads (`tensorboard --logdir DIR`). The loader marks its work with
+`span(name)`: a `record_function` range while profiling, `contextlib.nullcontext` otherwise,
+so without a profile dir the load path has no profiler in it at all.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,48 +17,40 @@ from torch.profiler import ProfilerActivity, profile, record_function, tensorboa
 
 UNIT_PREFIX = "tpviz.load/"
 PHASE_PREFIX = "tpviz.phase/"
+READ, COPY, COLLECTIVE = "tpviz.read", "tpviz.copy", "tpviz.collective"
 
-# Time categories of the summary, by the profiler op names that fall in them.
-CATEGORIES = {
-    "collectives": ("c10d::", "nccl:", "gloo:", "record_param_comms"),
-    "copies": ("aten::copy_", "aten::_to_copy", "aten::to", "Memcpy"),
-}
+
+def no_span(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 class RankProfiler:
     def __init__(self, prof: profile):
         self.prof = prof
-        self._units: dict[str, float] = {}
 
-    def span(self, name: str) -> contextlib.AbstractContextManager:
+    @staticmethod
+    def span(name: str) -> contextlib.AbstractContextManager:
         return record_function(name)
 
     def summary(self, top: int = 5) -> dict[str, Any]:
-        """The slowest units and the split of time between reads, copies and collectives,
-        from the events of this rank's trace (microseconds -> seconds)."""
+        """The slowest units, and the time spent reading, copying and in collectives, from
+        this rank's profiler events (seconds)."""
         units: dict[str, float] = {}
-        categories: dict[str, float] = defaultdict(float)
-        unit_total = 0.0
+        totals = {READ: 0.0, COPY: 0.0, COLLECTIVE: 0.0}
         for evt in self.prof.events():
             seconds = evt.time_range.elapsed_us() / 1e6
             if evt.name.startswith(UNIT_PREFIX):
                 module = evt.name[len(UNIT_PREFIX) :]
                 units[module] = units.get(module, 0.0) + seconds
-                unit_total += seconds
-                continue
-            for category, prefixes in CATEGORIES.items():
-                if evt.name.startswith(prefixes):
-                    categories[category] += seconds
-                    break
+            elif evt.name in totals:
+                totals[evt.name] += seconds
         slowest = sorted(units.items(), key=lambda kv: kv[1], reverse=True)[:top]
-        copies = categories["copies"]
-        collectives = categories["collectives"]
         return {
             "slowest_units": [{"module": m, "seconds": s} for m, s in slowest],
-            "unit_seconds": unit_total,
-            "copy_seconds": copies,
-            "collective_seconds": collectives,
-            "read_seconds": max(0.0, unit_total - copies - collectives),
+            "unit_seconds": sum(units.values()),
+            "read_seconds": totals[READ],
+            "copy_seconds": totals[COPY],
+            "collective_seconds": totals[COLLECTIVE],
         }
 
 
@@ -66,19 +58,15 @@ class RankProfiler:
 def rank_profiler(
     profile_dir: str | None, rank: int, device: torch.device
 ) -> Iterator[RankProfiler | None]:
-    """Profile the load on this rank into `profile_dir`; yields None when not profiling."""
+    """Profile what runs inside into `profile_dir`; yields None when not profiling."""
     if not profile_dir:
         yield None
         return
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
+    handler = tensorboard_trace_handler(profile_dir, worker_name=f"rank{rank}")
     with profile(
-        activities=activities,
-        profile_memory=True,
-        record_shapes=True,
-        on_trace_ready=tensorboard_trace_handler(profile_dir, worker_name=f"rank{rank}"),
+        activities=activities, profile_memory=True, record_shapes=True, on_trace_ready=handler
     ) as prof:
-        profiler = RankProfiler(prof)
-        with record_function(PHASE_PREFIX + "loading"):
-            yield profiler
+        yield RankProfiler(prof)

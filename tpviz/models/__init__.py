@@ -73,6 +73,17 @@ class ModelAdapter:
     def logits(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids)
 
+    def vocab_size(self, config: dict[str, Any]) -> int:
+        return int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
+
+
+# Verification and profiled forwards run this prompt (taken modulo the vocabulary).
+FIXED_PROMPT = [[1, 5, 42, 7, 99, 3, 250, 17]]
+
+
+def prompt_ids(adapter: ModelAdapter, config: dict[str, Any]) -> torch.Tensor:
+    return torch.tensor(FIXED_PROMPT) % adapter.vocab_size(config)
+
 
 class BuiltinLlama(ModelAdapter):
     name = "builtin"

@@ -106,5 +106,8 @@ class HFAdapter(ModelAdapter):
         with torch.no_grad():
             model._init_weights(module)
 
+    def vocab_size(self, config: dict[str, Any]) -> int:
+        return int(self.hf_config.get_text_config().vocab_size)
+
     def logits(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, use_cache=False).logits

@@ -20,8 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError, torch_dtype
 from ..events import Done, Phase
-from ..models import ModelAdapter, build_skeleton, get_adapter, read_config
+from ..models import ModelAdapter, build_skeleton, get_adapter, prompt_ids, read_config
 from ..plan import STRATEGIES, Ledger, ResolvedPlan, forecast, resolve_plan
+from ..profiling import PHASE_PREFIX, rank_profiler
 from .memory import MemorySampler, PeakRss
 from .parallelize import apply_styles, leftover_meta, local_of, lookup, shard_report
 from .sink import EventSink
@@ -49,6 +50,7 @@ class LoadOptions:
     seed: int = 0
     memory_hz: float = 20.0
     profile_dir: str | None = None
+    profile_forward: bool = False  # also profile one forward of the fixed prompt
     seed_skew: dict[int, int] = field(default_factory=dict)  # test hook: rank -> seed offset
 
     def validate(self, plan: ResolvedPlan) -> None:
@@ -130,8 +132,6 @@ def load_in_group(
     if options.init == "checkpoint":
         ctx.checkpoint = _open_checkpoint(plan)
         ctx.reader = BlockReader()
-    from ..profiling import rank_profiler
-
     with contextlib.ExitStack() as stack:
         if ctx.reader is not None:
             stack.enter_context(ctx.reader)
@@ -148,11 +148,15 @@ def load_in_group(
         if profiler is not None:
             ctx.span = profiler.span
         start = time.perf_counter()
-        _run_strategy(ctx, options, config)
+        with ctx.span(PHASE_PREFIX + "loading"):
+            _run_strategy(ctx, options, config)
         seconds = time.perf_counter() - start
         dist.barrier()
         load_seconds = time.perf_counter() - start
         sampler.sample()
+        if profiler is not None and options.profile_forward:
+            with ctx.span(PHASE_PREFIX + "forward"), torch.no_grad():
+                adapter.logits(model, prompt_ids(adapter, config).to(device))
 
     sink.emit(Phase(rank, time.time(), name="checking"))
     rows = shard_report(model, plan, rank)
@@ -294,6 +298,7 @@ def load_sharded(
     events_dir: str | os.PathLike | None = None,
     memory_hz: float = 20.0,
     profile_dir: str | os.PathLike | None = None,
+    profile_forward: bool = False,
 ) -> ShardedModel:
     """Load a model tensor-parallel inside the caller's process group (e.g. under torchrun).
 
@@ -311,6 +316,7 @@ def load_sharded(
         seed=seed,
         memory_hz=memory_hz,
         profile_dir=str(profile_dir) if profile_dir else None,
+        profile_forward=profile_forward,
     )
     sink = EventSink(dist.get_rank(), events_dir=events_dir)
     try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from ..checkpoint import BlockReader, Checkpoint, CheckpointError, TensorInfo, t
 from ..events import UnitDone, UnitStart
 from ..models import ModelAdapter, build_skeleton
 from ..plan import Ledger, ResolvedPlan, TensorPlan, needs_staging
+from ..profiling import COLLECTIVE, COPY, READ, UNIT_PREFIX, no_span
 from .parallelize import install, local_of, owner_of
 
 
@@ -60,7 +61,7 @@ class LoadContext:
     checkpoint: Checkpoint | None = None
     reader: BlockReader | None = None
     seed: int = 0
-    span: Any = contextlib.nullcontext  # profiler range factory; a no-op unless profiling
+    span: Callable[[str], contextlib.AbstractContextManager] = no_span  # profiler ranges
     traffic: Traffic = field(default_factory=Traffic)
 
     @property
@@ -83,15 +84,18 @@ class LoadContext:
     # --- collectives ------------------------------------------------------------------------
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        dist.send(tensor, dst)
+        with self.span(COLLECTIVE):
+            dist.send(tensor, dst)
         self.traffic.sent += tensor.numel() * tensor.element_size()
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
-        dist.recv(tensor, src)
+        with self.span(COLLECTIVE):
+            dist.recv(tensor, src)
         self.traffic.received += tensor.numel() * tensor.element_size()
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        dist.broadcast(tensor, 0)
+        with self.span(COLLECTIVE):
+            dist.broadcast(tensor, 0)
         nbytes = tensor.numel() * tensor.element_size()
         if self.rank == 0:
             self.traffic.sent += nbytes * (self.world_size - 1)
@@ -110,7 +114,7 @@ class LoadContext:
         )
         start = time.perf_counter()
         try:
-            with self.span(f"tpviz.load/{module}"):
+            with self.span(UNIT_PREFIX + module):
                 yield
         except LoadFailure:
             raise
@@ -169,8 +173,15 @@ class LoadContext:
     def read_full(self, t: TensorPlan) -> torch.Tensor:
         info = self.info(t)
         full = self.empty(t.global_shape, info.torch_dtype, "cpu")
-        self.reader.read_full(info, full)
+        with self.span(READ):
+            self.reader.read_full(info, full)
         return full
+
+    def fill_part(
+        self, part: torch.Tensor, full: torch.Tensor, t: TensorPlan, rank: int
+    ) -> torch.Tensor:
+        with self.span(COPY):
+            return fill_part(part, full, t, rank)
 
 
 def _regions(local: torch.Tensor, t: TensorPlan, rank: int) -> Iterator[tuple[Any, torch.Tensor]]:
@@ -207,12 +218,16 @@ def load_sliced(ctx: LoadContext) -> None:
                 local = ctx.empty(t.ranks[ctx.rank].shape, t.dtype)
                 staged = needs_staging(t, ctx.device.type, "checkpoint")
                 for block, region in _regions(local, t, ctx.rank):
+                    offset, shape = tuple(block.offset), tuple(block.shape)
                     if not staged:
-                        ctx.reader.read_block(info, tuple(block.offset), tuple(block.shape), region)
+                        with ctx.span(READ):
+                            ctx.reader.read_block(info, offset, shape, region)
                         continue
                     buf = ctx.empty(block.shape, info.torch_dtype, "cpu")
-                    ctx.reader.read_block(info, tuple(block.offset), tuple(block.shape), buf)
-                    region.copy_(buf)
+                    with ctx.span(READ):
+                        ctx.reader.read_block(info, offset, shape, buf)
+                    with ctx.span(COPY):
+                        region.copy_(buf)
                     ctx.release(buf)
                     del buf
                 install(ctx.model, t, local)
@@ -268,14 +283,14 @@ def load_rank0_broadcast(ctx: LoadContext, reference: FullModel | None = None) -
             else:
                 fulls = [ctx.read_full(t) for t in tensors]
             for t, full in zip(tensors, fulls):
-                local = fill_part(ctx.empty(t.ranks[0].shape, t.dtype), full, t, 0)
+                local = ctx.fill_part(ctx.empty(t.ranks[0].shape, t.dtype), full, t, 0)
                 if t.shard_dim is None:
                     ctx.broadcast(local)
                 else:
                     for r in range(1, ctx.world_size):
                         if t.ranks[r].bytes:
                             part = ctx.empty(t.ranks[r].shape, t.dtype, ctx.comm_device)
-                            fill_part(part, full, t, r)
+                            ctx.fill_part(part, full, t, r)
                             ctx.send(part, r)
                             ctx.release(part)
                             del part
@@ -307,9 +322,8 @@ def load_replicated(ctx: LoadContext, reference: FullModel | None = None) -> Non
         if t.origin != "checkpoint":
             continue
         full = fulls.pop(t.name)
-        install(
-            ctx.model, t, fill_part(ctx.empty(t.ranks[ctx.rank].shape, t.dtype), full, t, ctx.rank)
-        )
+        local = ctx.fill_part(ctx.empty(t.ranks[ctx.rank].shape, t.dtype), full, t, ctx.rank)
+        install(ctx.model, t, local)
         ctx.release(full)
         del full
     if reference is not None:
