@@ -1,0 +1,146 @@
+"""The three loading strategies side by side, and the sliced read throughput against the
+machine's own copy bandwidth, measured in the same run.
+
+For each round it loads the checkpoint with sliced, rank0_broadcast and replicated in turn
+(alternating, because this machine is shared and noisy) and prints per strategy and rank the
+medians of: load seconds, peak RSS growth, peak tensor bytes (the loader's own accounting) and
+bytes sent/received, with ratios to sliced. Then:
+
+- sliced read throughput per rank (its shard bytes / its load seconds) as a fraction of the
+  copy bandwidth of this machine: a single-threaded `copy_` of the same number of bytes between
+  two tensors that own their memory, best of 5, two processes at once (as the ranks run);
+- the check that each sliced rank's peak tensor bytes stay within its final shard plus the
+  largest single slice it reads;
+- what profiling off costs: the no-op span calls of one load, timed.
+
+    python benchmarks/strategies.py [SOURCE] [--world-size 2] [--rounds 3]
+
+Without SOURCE it uses the `medium` demo checkpoint (made once in the cache dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import time
+import timeit
+from pathlib import Path
+
+import torch
+from common import cached_checkpoint, gib, median
+
+import tpviz
+from tpviz.profiling import no_span
+
+STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
+
+
+def copy_bandwidth(nbytes: int, queue) -> None:
+    torch.set_num_threads(1)
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch both
+    best = min(timeit.repeat(lambda: dst.copy_(src), number=1, repeat=5))
+    queue.put(nbytes / best)
+
+
+def machine_copy_bandwidth(nbytes: int, processes: int) -> float:
+    """Bytes/s one process copies while `processes` copy at once (as the ranks read)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=copy_bandwidth, args=(nbytes, queue)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    rates = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", nargs="?")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    source = Path(args.source) if args.source else cached_checkpoint("medium")
+    w = args.world_size
+    plan = tpviz.resolve_plan(source, w)
+    plan.raise_for_errors()
+    print(
+        f"{source}: {gib(plan.total_bytes)} {plan.dtype}, world size {w}, "
+        f"{os.cpu_count()} CPU cores, {args.rounds} rounds"
+    )
+
+    with tpviz.launch(source, w, plan) as job:  # warm the page cache: every run reads warm
+        job.wait()
+    results: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
+    for i in range(args.rounds):
+        for strategy in STRATEGIES:
+            with tpviz.launch(source, w, plan, strategy=strategy) as job:
+                results[strategy].append(job.wait())
+            r = results[strategy][-1]
+            print(f"  round {i + 1} {strategy:16s} load {r['load_seconds']:.2f} s", flush=True)
+
+    def med(strategy: str, rank: int, key: str) -> float:
+        return median(r["ranks"][rank][key] for r in results[strategy])
+
+    print("\nmedians per strategy and rank")
+    print(
+        f"{'strategy':16s} {'rank':>4s} {'load s':>7s} {'x sliced':>8s} {'peak RSS +':>11s} "
+        f"{'x sliced':>8s} {'peak tensors':>12s} {'forecast':>10s} {'sent':>10s} "
+        f"{'received':>10s}"
+    )
+    for strategy in STRATEGIES:
+        for rank in range(w):
+            s, rss = med(strategy, rank, "seconds"), med(strategy, rank, "peak_rss_bytes")
+            print(
+                f"{strategy:16s} {rank:4d} {s:7.2f} {s / med('sliced', rank, 'seconds'):7.2f}x "
+                f"{gib(rss):>11s} {rss / med('sliced', rank, 'peak_rss_bytes'):7.2f}x "
+                f"{gib(med(strategy, rank, 'peak_tensor_bytes')):>12s} "
+                f"{gib(med(strategy, rank, 'forecast_peak_bytes')):>10s} "
+                f"{gib(med(strategy, rank, 'bytes_sent')):>10s} "
+                f"{gib(med(strategy, rank, 'bytes_received')):>10s}"
+            )
+
+    shard = max(plan.per_rank_bytes)
+    copy = machine_copy_bandwidth(shard, w)
+    print(
+        f"\ncopy bandwidth of this machine: {copy / 1e9:.2f} GB/s per process "
+        f"({w} processes copying {gib(shard)} each at once, single-threaded)"
+    )
+    for rank in range(w):
+        read = plan.per_rank_bytes[rank] / med("sliced", rank, "seconds")
+        print(
+            f"  sliced rank {rank} reads {read / 1e9:.2f} GB/s = {read / copy:.0%} of the copy "
+            "bandwidth (page cache warm)"
+        )
+
+    print("\nsliced peak tensor bytes against final shard + largest slice:")
+    for rank in range(w):
+        largest = max(
+            t.source_nbytes(math.prod(b.shape)) for t in plan.params for b in t.ranks[rank].blocks
+        )
+        peak = med("sliced", rank, "peak_tensor_bytes")
+        bound = plan.per_rank_bytes[rank] + largest
+        print(
+            f"  rank {rank}: peak {peak} B <= shard {plan.per_rank_bytes[rank]} B + largest "
+            f"slice {largest} B = {bound} B: {'yes' if peak <= bound else 'NO'}"
+        )
+
+    spans = len(plan.units()) + sum(len(t.ranks[0].blocks) for t in plan.params)
+    per_call = min(timeit.repeat(lambda: no_span("x").__enter__(), number=10000, repeat=5)) / 1e4
+    overhead = spans * per_call
+    print(
+        f"\nprofiling off: {spans} no-op spans per load x {per_call * 1e9:.0f} ns = "
+        f"{overhead * 1e6:.0f} us, {overhead / med('sliced', 0, 'seconds'):.4%} of the sliced "
+        "load"
+    )
+
+
+if __name__ == "__main__":
+    start = time.perf_counter()
+    main()
+    print(f"\n(benchmark took {time.perf_counter() - start:.0f} s)")

@@ -1,0 +1,98 @@
+"""tpviz's sliced load against transformers' `from_pretrained(tp_plan="auto")`.
+
+Both run under torchrun on CPU with gloo, on the same checkpoint and world size, alternating
+runs (this machine is shared and noisy), and are measured the same way inside each rank
+(benchmarks/peer_rank.py): load seconds from the start of loading (after imports and process
+group setup) to a barrier when all ranks are done, and peak RSS growth above the resident set
+at that start (the kernel's high-water mark, reset there). Needs `pip install accelerate`.
+
+    python benchmarks/vs_transformers.py [SOURCE] [--world-size 2] [--rounds 3]
+
+Without SOURCE it uses the `medium` demo checkpoint (made once in the cache dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from common import cached_checkpoint, gib, median
+
+HERE = Path(__file__).resolve().parent
+
+
+def run(which: str, source: Path, world_size: int, out: Path) -> list[dict]:
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(world_size),
+            str(HERE / "peer_rank.py"),
+            which,
+            str(source),
+            str(out),
+        ],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", nargs="?")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    source = Path(args.source) if args.source else cached_checkpoint("medium")
+    size = sum(f.stat().st_size for f in source.glob("*.safetensors"))
+    print(
+        f"{source} ({size / 1e6:.0f} MB), world size {args.world_size}, {os.cpu_count()} "
+        f"CPU cores, {args.rounds} alternating rounds"
+    )
+    runs: dict[str, list[list[dict]]] = {"transformers": [], "tpviz": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            for which in ("transformers", "tpviz"):
+                out = Path(tmp) / f"{which}-{i}.json"
+                runs[which].append(run(which, source, args.world_size, out))
+                print(
+                    f"  round {i + 1} {which:12s} "
+                    + "  ".join(
+                        f"rank {r['rank']}: {r['seconds']:.2f} s, +{gib(r['peak_rss_growth'])}"
+                        for r in runs[which][-1]
+                    ),
+                    flush=True,
+                )
+        logits = {w: torch.load(Path(tmp) / f"{w}-0.json.logits.pt") for w in runs}
+    diff = (logits["tpviz"] - logits["transformers"]).abs().max().item()
+    print("\nmedians per rank (tpviz / transformers):")
+    for rank in range(args.world_size):
+        t = {w: median(r[rank]["seconds"] for r in runs[w]) for w in runs}
+        m = {w: median(r[rank]["peak_rss_growth"] for r in runs[w]) for w in runs}
+        print(
+            f"  rank {rank}: load {t['tpviz']:.2f} s vs {t['transformers']:.2f} s = "
+            f"{t['tpviz'] / t['transformers']:.2f}x (target <= 0.7x);  peak RSS growth "
+            f"{gib(m['tpviz'])} vs {gib(m['transformers'])} = "
+            f"{m['tpviz'] / m['transformers']:.2f}x (target <= 1.1x)"
+        )
+    print(
+        f"same logits on the fixed prompt: max |tpviz - transformers| = {diff:.2e} "
+        f"({'yes' if diff <= 1e-4 else 'NO'})"
+    )
+
+
+if __name__ == "__main__":
+    main()
