@@ -722,6 +722,17 @@ def needs_staging(t: TensorPlan, device: str, init: str) -> bool:
     return device != "cpu" or (t.source_dtype or t.dtype) != t.dtype
 
 
+def sends_a_view(t: TensorPlan, rank: int, device: str) -> bool:
+    """Whether rank 0 of rank0_broadcast can send `rank`'s part of `t` straight from the full
+    tensor (a contiguous row block already in the target dtype) instead of a copy."""
+    return (
+        t.shard_dim == 0
+        and len(t.ranks[rank].blocks) == 1
+        and device == "cpu"
+        and (t.source_dtype or t.dtype) == t.dtype
+    )
+
+
 def forecast(
     plan: ResolvedPlan, strategy: str, device: str = "cpu", init: str = "checkpoint"
 ) -> Forecast:
@@ -765,8 +776,9 @@ def forecast(
                     ledger.alloc(t.ranks[0].bytes)
                     if t.shard_dim is not None:
                         for r in range(1, w):
-                            ledger.alloc(t.ranks[r].bytes)
-                            ledger.free(t.ranks[r].bytes)
+                            if not sends_a_view(t, r, device):
+                                ledger.alloc(t.ranks[r].bytes)
+                                ledger.free(t.ranks[r].bytes)
                 for nbytes in full:
                     ledger.free(nbytes)
         peaks.append(ledger.peak)

@@ -7,7 +7,9 @@ compared byte for byte.
 - sliced: each rank reads only its own blocks into its own tensors.
 - rank0_broadcast: rank 0 reads one unit's full tensors and sends each rank its part with
   point-to-point sends (a scatter of slices: a receiver never holds more than its part, and
-  uneven parts need no padding); replicated tensors are broadcast.
+  uneven parts need no padding); replicated tensors are broadcast. A part that is a
+  contiguous row block in the target dtype is sent straight from the full tensor; others go
+  through one part-sized copy.
 - replicated: every rank materialises the whole model on CPU, then keeps its own parts.
 """
 
@@ -27,7 +29,7 @@ from torch import nn
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError, TensorInfo, torch_dtype
 from ..events import UnitDone, UnitStart
 from ..models import ModelAdapter, build_skeleton
-from ..plan import Ledger, ResolvedPlan, TensorPlan, needs_staging
+from ..plan import Ledger, ResolvedPlan, TensorPlan, needs_staging, sends_a_view
 from ..profiling import COLLECTIVE, COPY, READ, UNIT_PREFIX, no_span
 from .parallelize import install, local_of, owner_of
 
@@ -288,12 +290,16 @@ def load_rank0_broadcast(ctx: LoadContext, reference: FullModel | None = None) -
                     ctx.broadcast(local)
                 else:
                     for r in range(1, ctx.world_size):
-                        if t.ranks[r].bytes:
-                            part = ctx.empty(t.ranks[r].shape, t.dtype, ctx.comm_device)
-                            ctx.fill_part(part, full, t, r)
-                            ctx.send(part, r)
-                            ctx.release(part)
-                            del part
+                        if not t.ranks[r].bytes:
+                            continue
+                        if sends_a_view(t, r, ctx.comm_device.type):
+                            ctx.send(_block_view(full, t.ranks[r].blocks[0]), r)
+                            continue
+                        part = ctx.empty(t.ranks[r].shape, t.dtype, ctx.comm_device)
+                        ctx.fill_part(part, full, t, r)
+                        ctx.send(part, r)
+                        ctx.release(part)
+                        del part
                 install(ctx.model, t, local)
             for full in fulls:
                 ctx.release(full)
