@@ -105,6 +105,34 @@ def load_in_group(
     plan.raise_for_errors()
     sink.emit(Phase(rank, time.time(), name="skeleton"))
     config = read_config(plan.source)
+    ctx = _prepare(plan, config, rank, device, sink.emit)
+    ctx.seed = options.seed + options.seed_skew.get(rank, 0)
+    if options.init == "checkpoint":
+        ctx.checkpoint = _open_checkpoint(plan)
+        ctx.reader = BlockReader()
+    sampler = MemorySampler(
+        rank, ctx.ledger, sink.emit, options.memory_hz, device, on_tick=sink.flush
+    )
+    ctx.sample = sampler.sample
+    with contextlib.ExitStack() as stack:
+        if ctx.reader is not None:
+            stack.enter_context(ctx.reader)
+        sampler.start()
+        stack.callback(sampler.stop)
+        measured = _measured_load(ctx, options, config, sampler, sink)
+    sink.emit(Phase(rank, time.time(), name="checking"))
+    result = _rank_result(ctx, options, measured)
+    if options.init == "random":
+        result["init"] = check_random_init(ctx, options, config)
+    sink.emit(Phase(rank, time.time(), name="loaded"))
+    sink.emit(Done(rank, time.time(), result=result))
+    return ShardedModel(ctx.model, plan, ctx.adapter, rank, device, result)
+
+
+def _prepare(
+    plan: ResolvedPlan, config: dict, rank: int, device: torch.device, emit
+) -> LoadContext:
+    """The meta skeleton with computed buffers made for real and styles installed."""
     adapter = get_adapter(config, plan.model, plan.source)
     model = build_skeleton(adapter, config).to(torch_dtype(plan.dtype))
     ledger = Ledger()
@@ -112,12 +140,8 @@ def load_in_group(
     for t in plan.params:
         if t.origin == "computed":
             ledger.alloc(local_of(lookup(model, t.name)).nbytes)
-    mesh = init_device_mesh(device.type, (world,))
-    apply_styles(model, plan, mesh)
-
-    sampler = MemorySampler(rank, ledger, sink.emit, options.memory_hz, device, on_tick=sink.flush)
-    seed = options.seed + options.seed_skew.get(rank, 0)
-    ctx = LoadContext(
+    apply_styles(model, plan, init_device_mesh(device.type, (plan.world_size,)))
+    return LoadContext(
         model=model,
         plan=plan,
         adapter=adapter,
@@ -125,26 +149,35 @@ def load_in_group(
         device=device,
         comm_device=device if dist.get_backend() == "nccl" else torch.device("cpu"),
         ledger=ledger,
-        emit=sink.emit,
-        sample=sampler.sample,
-        seed=seed,
+        emit=emit,
+        sample=lambda: None,
     )
-    if options.init == "checkpoint":
-        ctx.checkpoint = _open_checkpoint(plan)
-        ctx.reader = BlockReader()
-    with contextlib.ExitStack() as stack:
-        if ctx.reader is not None:
-            stack.enter_context(ctx.reader)
-        sampler.start()
-        stack.callback(sampler.stop)
-        sink.emit(Phase(rank, time.time(), name="ready"))
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        sampler.peak = peak = PeakRss()
-        sampler.sample()
-        sink.emit(Phase(rank, time.time(), name="loading"))
-        profiler = stack.enter_context(rank_profiler(options.profile_dir, rank, device))
+
+
+@dataclass
+class _Measured:
+    seconds: float  # this rank's own loading
+    load_seconds: float  # barrier (all ready) to barrier (all loaded)
+    peak: PeakRss
+    profile: dict | None
+
+
+def _measured_load(
+    ctx: LoadContext,
+    options: LoadOptions,
+    config: dict,
+    sampler: MemorySampler,
+    sink: EventSink,
+) -> _Measured:
+    rank, device = ctx.rank, ctx.device
+    sink.emit(Phase(rank, time.time(), name="ready"))
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sampler.peak = peak = PeakRss()
+    sampler.sample()  # the baseline sample viewers measure growth from
+    sink.emit(Phase(rank, time.time(), name="loading"))
+    with rank_profiler(options.profile_dir, rank, device) as profiler:
         if profiler is not None:
             ctx.span = profiler.span
         start = time.perf_counter()
@@ -156,22 +189,26 @@ def load_in_group(
         sampler.sample()
         if profiler is not None and options.profile_forward:
             with ctx.span(PHASE_PREFIX + "forward"), torch.no_grad():
-                adapter.logits(model, prompt_ids(adapter, config).to(device))
+                ctx.adapter.logits(ctx.model, prompt_ids(ctx.adapter, config).to(device))
+    # the trace is written when the profiler stops; summarise after that
+    return _Measured(seconds, load_seconds, peak, profiler.summary() if profiler else None)
 
-    sink.emit(Phase(rank, time.time(), name="checking"))
-    rows = shard_report(model, plan, rank)
-    leftover = leftover_meta(model)
-    mismatches = [r["name"] for r in rows if not r["matches"]] + leftover
-    fc = forecast(plan, options.strategy, device.type, options.init)
+
+def _rank_result(ctx: LoadContext, options: LoadOptions, measured: _Measured) -> dict[str, Any]:
+    """This rank's entry of the load JSON: real shards checked against the plan."""
+    plan, rank = ctx.plan, ctx.rank
+    rows = shard_report(ctx.model, plan, rank)
+    mismatches = [r["name"] for r in rows if not r["matches"]] + leftover_meta(ctx.model)
+    fc = forecast(plan, options.strategy, ctx.device.type, options.init)
     result: dict[str, Any] = {
         "rank": rank,
-        "seconds": seconds,
-        "load_seconds": load_seconds,
+        "seconds": measured.seconds,
+        "load_seconds": measured.load_seconds,
         "param_bytes": sum(r["bytes"] for r in rows),
         "planned_bytes": plan.per_rank_bytes[rank],
-        "peak_rss_bytes": peak.growth(),
-        "rss_baseline_bytes": peak.baseline,
-        "peak_tensor_bytes": ledger.peak,
+        "peak_rss_bytes": measured.peak.growth(),
+        "rss_baseline_bytes": measured.peak.baseline,
+        "peak_tensor_bytes": ctx.ledger.peak,
         "forecast_peak_bytes": fc.peak_bytes[rank],
         "bytes_sent": ctx.traffic.sent,
         "bytes_received": ctx.traffic.received,
@@ -180,15 +217,11 @@ def load_in_group(
         "plan_matches_shards": not mismatches,
         "mismatches": mismatches[:20],
     }
-    if device.type == "cuda":
-        result["peak_cuda_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-    if profiler is not None:
-        result["profile"] = profiler.summary()
-    if options.init == "random":
-        result["init"] = check_random_init(ctx, options, config)
-    sink.emit(Phase(rank, time.time(), name="loaded"))
-    sink.emit(Done(rank, time.time(), result=result))
-    return ShardedModel(model, plan, adapter, rank, device, result)
+    if ctx.device.type == "cuda":
+        result["peak_cuda_allocated_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
+    if measured.profile is not None:
+        result["profile"] = measured.profile
+    return result
 
 
 def _open_checkpoint(plan: ResolvedPlan) -> Checkpoint:
