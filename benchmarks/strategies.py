@@ -20,16 +20,14 @@ Without SOURCE it uses the `medium` demo checkpoint (made once in the cache dir)
 
 from __future__ import annotations
 
-import argparse
 import math
 import multiprocessing as mp
 import os
 import time
 import timeit
-from pathlib import Path
 
 import torch
-from common import cached_checkpoint, gib, median
+from common import gib, median, parse_args
 
 import tpviz
 from tpviz.profiling import no_span
@@ -60,12 +58,7 @@ def machine_copy_bandwidth(nbytes: int, processes: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("source", nargs="?")
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    source = Path(args.source) if args.source else cached_checkpoint("medium")
+    args, source = parse_args(__doc__.splitlines()[0])
     w = args.world_size
     plan = tpviz.resolve_plan(source, w)
     plan.raise_for_errors()

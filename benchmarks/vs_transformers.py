@@ -13,7 +13,6 @@ Without SOURCE it uses the `medium` demo checkpoint (made once in the cache dir)
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -22,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import cached_checkpoint, gib, median
+from common import gib, median, parse_args
 
 HERE = Path(__file__).resolve().parent
 
@@ -51,12 +50,7 @@ def run(which: str, source: Path, world_size: int, out: Path) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("source", nargs="?")
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    source = Path(args.source) if args.source else cached_checkpoint("medium")
+    args, source = parse_args(__doc__.splitlines()[0])
     size = sum(f.stat().st_size for f in source.glob("*.safetensors"))
     print(
         f"{source} ({size / 1e6:.0f} MB), world size {args.world_size}, {os.cpu_count()} "

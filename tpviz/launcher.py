@@ -539,15 +539,7 @@ def launch(
             )
     elif device != "cpu":
         raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
-    options = LoadOptions(
-        strategy=strategy,
-        init=init,
-        seed=seed,
-        memory_hz=memory_hz,
-        profile_dir=str(profile_dir) if profile_dir else None,
-        profile_forward=profile_forward,
-        seed_skew=dict(seed_skew or {}),
-    )
+    options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward, seed_skew)
     options.validate(resolved)
     if not force:
         check_memory(resolved, strategy, device, options.init)

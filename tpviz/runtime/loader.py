@@ -53,6 +53,10 @@ class LoadOptions:
     profile_forward: bool = False  # also profile one forward of the fixed prompt
     seed_skew: dict[int, int] = field(default_factory=dict)  # test hook: rank -> seed offset
 
+    def __post_init__(self) -> None:
+        self.profile_dir = str(self.profile_dir) if self.profile_dir else None
+        self.seed_skew = dict(self.seed_skew or {})
+
     def validate(self, plan: ResolvedPlan) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(
@@ -343,14 +347,7 @@ def load_sharded(
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
     world = dist.get_world_size()
     resolved = resolve_plan(source, world, plan, dtype=dtype, model=model)
-    options = LoadOptions(
-        strategy=strategy,
-        init=init,
-        seed=seed,
-        memory_hz=memory_hz,
-        profile_dir=str(profile_dir) if profile_dir else None,
-        profile_forward=profile_forward,
-    )
+    options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
     sink = EventSink(dist.get_rank(), events_dir=events_dir)
     try:
         return load_in_group(resolved, options, sink, rank_device(device))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
 import threading
 import time
 from collections.abc import Callable
@@ -12,17 +15,51 @@ import torch
 from ..events import Memory
 from ..plan import Ledger
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+PREFAULT_MIN_BYTES = 1 << 20
+_libc = None
 
-def rss_anon() -> int | None:
-    """Anonymous resident bytes (not file-backed pages), where the OS reports them."""
+
+def prefault(tensor: torch.Tensor) -> None:
+    """Fault in a fresh CPU tensor's pages with one madvise(MADV_POPULATE_WRITE) call rather
+    than one page fault per 4 KiB page as a read first writes them (about a third faster for
+    large reads here). A no-op for small tensors and where the kernel lacks it."""
+    global _libc
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type != "cpu" or nbytes < PREFAULT_MIN_BYTES or _libc is False:
+        return
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        _libc = ctypes.CDLL(name, use_errno=True) if name else False
+        if _libc is False:
+            return
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (tensor.data_ptr() + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start and _libc.madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
+        _libc = False  # not supported here: stop trying
+
+
+def _status_bytes(field: str) -> int | None:
+    """A `kB` field of /proc/self/status in bytes, where the OS has it."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:
-                if line.startswith("RssAnon:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def rss_anon() -> int | None:
+    """Anonymous resident bytes (not file-backed pages)."""
+    return _status_bytes("RssAnon")
+
+
+def kernel_peak_rss() -> int | None:
+    """VmHWM: the peak resident set since the last reset."""
+    return _status_bytes("VmHWM")
 
 
 def reset_peak_rss() -> bool:
@@ -33,18 +70,6 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
-
-
-def kernel_peak_rss() -> int | None:
-    """VmHWM: the peak resident set since the last reset."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 class PeakRss:

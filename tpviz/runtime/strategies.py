@@ -31,6 +31,7 @@ from ..events import UnitDone, UnitStart
 from ..models import ModelAdapter, build_skeleton
 from ..plan import Ledger, ResolvedPlan, TensorPlan, needs_staging, sends_a_view
 from ..profiling import COLLECTIVE, COPY, READ, UNIT_PREFIX, no_span
+from .memory import prefault
 from .parallelize import install, local_of, owner_of
 
 
@@ -78,6 +79,7 @@ class LoadContext:
         dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
         tensor = torch.empty(shape, dtype=dtype, device=device or self.device)
         self.ledger.alloc(tensor.numel() * tensor.element_size())
+        prefault(tensor)
         return tensor
 
     def release(self, tensor: torch.Tensor) -> None:
