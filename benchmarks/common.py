@@ -1,24 +1,12 @@
-"""Helpers shared by the benchmarks: demo checkpoints in a cache dir, and medians."""
+"""Helpers shared by the benchmarks: arguments, medians and sizes."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from pathlib import Path
 
-from tpviz.models.demo import make_checkpoint
-
-
-def cached_checkpoint(preset: str) -> Path:
-    """The `preset` demo checkpoint, made once in $TPVIZ_CACHE (default ~/.cache/tpviz)."""
-    cache = Path(os.environ.get("TPVIZ_CACHE", Path.home() / ".cache" / "tpviz"))
-    path = cache / f"bench-{preset}"
-    if not (path / "config.json").exists():
-        tmp = cache / f".bench-{preset}-{os.getpid()}"
-        make_checkpoint(tmp, preset)
-        tmp.rename(path)
-    return path
+from tpviz.models.demo import demo_checkpoint
 
 
 def median(values) -> float:
@@ -36,4 +24,4 @@ def parse_args(description: str) -> tuple[argparse.Namespace, Path]:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    return args, Path(args.source) if args.source else cached_checkpoint("medium")
+    return args, Path(args.source) if args.source else demo_checkpoint("medium")

@@ -67,7 +67,8 @@ def test_accounting_has_each_strategys_shape(loads):
     assert rank0[0]["peak_tensor_bytes"] > max(r["peak_tensor_bytes"] for r in rank0[1:])
     largest_unit = max(sum(t.source_nbytes() for t in unit) for _, unit in plan.units())
     assert rank0[0]["peak_tensor_bytes"] <= shards[0] + largest_unit + max(
-        t.ranks[1].bytes for t in plan.params)
+        t.ranks[1].bytes for t in plan.params
+    )
     assert rank0[0]["bytes_sent"] == sum(r["bytes_received"] for r in rank0[1:]) > 0
     assert all(r["bytes_sent"] == r["bytes_received"] == 0 for r in sliced + replicated)
 
@@ -75,8 +76,9 @@ def test_accounting_has_each_strategys_shape(loads):
 def test_random_init_is_one_consistent_model(config_only):
     checks = {}
     for strategy in STRATEGIES:
-        with tpviz.launch(config_only, 2, strategy=strategy, init="random", seed=11,
-                          verify=True) as job:
+        with tpviz.launch(
+            config_only, 2, strategy=strategy, init="random", seed=11, verify=True
+        ) as job:
             result = job.wait(180)
             checks[strategy] = result
     for strategy in ("replicated", "rank0_broadcast"):
@@ -94,8 +96,9 @@ def test_random_init_is_one_consistent_model(config_only):
 
 @pytest.mark.parametrize("strategy, skewed", [("replicated", 1), ("rank0_broadcast", 0)])
 def test_a_diverged_seed_on_one_rank_is_caught_naming_the_tensor(config_only, strategy, skewed):
-    with tpviz.launch(config_only, 2, strategy=strategy, init="random", seed=11,
-                      seed_skew={skewed: 1}) as job:
+    with tpviz.launch(
+        config_only, 2, strategy=strategy, init="random", seed=11, seed_skew={skewed: 1}
+    ) as job:
         check = job.wait(180)["init_check"]
     assert not check["ok"] and check["matches_single_process"] is False
     assert "model.layers.0.self_attn.q_proj.weight" in check["mismatched"]
@@ -109,8 +112,17 @@ def test_config_only_source_needs_random_init(config_only):
 def test_cli_load_random_init_and_compare(tmp_path, config_only, tiny):
     import json
 
-    result = run_cli("load", str(config_only), "--init", "random", "--seed", "3",
-                     "--strategy", "replicated", "--json")
+    result = run_cli(
+        "load",
+        str(config_only),
+        "--init",
+        "random",
+        "--seed",
+        "3",
+        "--strategy",
+        "replicated",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["init_check"]["matches_single_process"]
     compared = run_cli("compare", str(tiny), "--world-size", "2", "--json")

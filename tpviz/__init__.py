@@ -16,6 +16,7 @@ _EXPORTS = {
     "ResolvedPlan": "tpviz.plan",
     "PlanError": "tpviz.plan",
     "make_checkpoint": "tpviz.models.demo",
+    "demo_checkpoint": "tpviz.models.demo",
     "launch": "tpviz.launcher",
     "compare": "tpviz.launcher",
     "LoadJob": "tpviz.launcher",

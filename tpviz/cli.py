@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 INVALID_INPUT = 2
@@ -207,7 +205,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     ) as job:
         result = _follow(job, show=not args.json)
     if args.report:
-        _write_report(args.report, plan, [result])
+        _write_report(args.report, plan, [result], [job.events])
     _emit(args, result, load_table(result))
     return 0 if _succeeded(result) else FAILURE
 
@@ -224,15 +222,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     plan = _resolve(args)
     _check_errors(plan)
-    results = compare(
-        args.source,
-        args.world_size,
-        plan,
-        follow=lambda job: _follow(job, show=not args.json),
-        **_launch_kwargs(args),
-    )
+    events: list = []
+
+    def follow(job) -> dict[str, Any]:
+        result = _follow(job, show=not args.json)
+        events.append(job.events)
+        return result
+
+    results = compare(args.source, args.world_size, plan, follow=follow, **_launch_kwargs(args))
     if args.report:
-        _write_report(args.report, plan, results)
+        _write_report(args.report, plan, results, events)
     text = "\n\n".join([*(load_table(r) for r in results), compare_table(results)])
     _emit(args, {"strategies": results}, text)
     return 0 if all(_succeeded(r) for r in results) else FAILURE
@@ -240,17 +239,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .launcher import launch
-    from .models.demo import make_checkpoint
+    from .models.demo import cache_dir, demo_checkpoint
     from .plan import resolve_plan
     from .report import load_table, plan_table
 
-    cache = Path(os.environ.get("TPVIZ_CACHE", Path.home() / ".cache" / "tpviz"))
-    source = cache / f"demo-{args.preset}"
-    if not (source / "config.json").exists():
-        print(f"making the {args.preset} demo checkpoint in {source} ...", file=sys.stderr)
-        tmp = cache / f".demo-{args.preset}-{os.getpid()}"
-        make_checkpoint(tmp, args.preset)
-        tmp.rename(source)
+    if not (cache_dir() / f"demo-{args.preset}" / "config.json").exists():
+        print(f"making the {args.preset} demo checkpoint in {cache_dir()} ...", file=sys.stderr)
+    source = demo_checkpoint(args.preset)
     plan = resolve_plan(source, args.world_size)
     _check_errors(plan)
     if not args.json:
@@ -339,8 +334,8 @@ def _follow_plain(job) -> dict[str, Any]:
                     )
 
 
-def _write_report(path: str, plan, results: list[dict[str, Any]]) -> None:
+def _write_report(path: str, plan, results: list[dict[str, Any]], events: list) -> None:
     from .report import write_html_report
 
-    write_html_report(path, plan, results)
+    write_html_report(path, plan, results, events)
     print(f"report written to {path}", file=sys.stderr)

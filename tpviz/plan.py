@@ -111,6 +111,7 @@ class ResolvedPlan:
     model: str = "builtin"  # the adapter that built the skeleton
     module_styles: dict[str, str] = field(default_factory=dict)  # module -> forward style
     has_weights: bool = True
+    patterns: dict[str, str] = field(default_factory=dict)  # the plan keys that were resolved
 
     def tensor(self, name: str) -> TensorPlan:
         if not hasattr(self, "_by_name"):
@@ -538,6 +539,7 @@ def _resolve(
         model=adapter.name,
         module_styles=module_styles,
         has_weights=bool(ckpt and ckpt.has_weights),
+        patterns=dict(patterns),
     )
     init = "checkpoint" if plan.has_weights else "random"
     plan.forecast = {s: forecast(plan, s, init=init).to_dict() for s in STRATEGIES}

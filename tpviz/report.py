@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
+from html import escape
+from pathlib import Path
 from typing import Any
 
 from .plan import ResolvedPlan
@@ -188,3 +191,124 @@ def compare_table(results: list[dict[str, Any]]) -> str:
 
 def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
+
+
+# --- HTML reports -----------------------------------------------------------------------------
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+h1, h2 { font-weight: 600; }
+.issues li.error { color: #b00020; } .issues li.warning { color: #8a5a00; }
+"""
+
+
+def html_page(title: str, parts: Sequence[Any]) -> str:
+    """A self-contained page of HTML snippets and plotly figures: plotly.js goes inline, once,
+    so the file opens without any network."""
+    body, inline = [], True
+    for part in parts:
+        if isinstance(part, str):
+            body.append(part)
+            continue
+        body.append(
+            part.to_html(full_html=False, include_plotlyjs=inline, config={"displaylogo": False})
+        )
+        inline = False
+    return (
+        f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{escape(title)}</title>'
+        f"<style>{_CSS}</style></head>\n<body>\n<h1>{escape(title)}</h1>\n"
+        + "\n".join(body)
+        + "\n</body></html>\n"
+    )
+
+
+def plan_parts(plan: ResolvedPlan, tensor: str | None = None) -> list[Any]:
+    """The plan section: facts, issues, bytes per rank by style, a block diagram (of `tensor`,
+    else a representative one) and the plan table."""
+    from .widgets import figures
+
+    per_rank = ", ".join(f"rank {r}: {human_bytes(b)}" for r, b in enumerate(plan.per_rank_bytes))
+    issues = [("error", i) for i in plan.errors] + [("warning", i) for i in plan.warnings]
+    items = "".join(
+        f'<li class="{kind}">{kind} [{escape(i.code)}]: {escape(i.message)}</li>'
+        for kind, i in issues
+    )
+    shown = plan.tensor(tensor) if tensor else figures.representative_tensor(plan.params)
+    return [
+        f"<h2>Plan</h2><p>{escape(str(plan.source))}: {plan.world_size} rank(s), {plan.dtype}, "
+        f"model {human_bytes(plan.total_bytes)}; per rank {per_rank}</p>",
+        f'<ul class="issues">{items}</ul>' if items else "<p>No warnings or errors.</p>",
+        figures.bytes_by_style_figure(plan),
+        figures.block_diagram_figure(shown),
+        figures.plan_table_figure(plan),
+    ]
+
+
+def load_parts(result: dict[str, Any] | None, run: Any = None, measure: str | None = None) -> list:
+    """One load: memory over time from its `run` (a `figures.MemoryRun`), or without one the
+    per-rank peaks beside the forecasts; then the summary table. `result` is None while the
+    load is still running."""
+    from .widgets import figures
+
+    label = run.label if run is not None else (result or {}).get("strategy", "load")
+    parts: list[Any] = [f"<h2>Load: {escape(label)}</h2>"]
+    if run is not None:
+        device = (result or {}).get("device", "cpu")
+        parts.append(figures.memory_figure([run], measure or figures.default_measure(device)))
+    elif result is not None:
+        parts.append(figures.peaks_figure([result]))
+    parts.append(figures.summary_figure(result) if result else "<p>Still loading.</p>")
+    return parts
+
+
+def html_report(
+    plan: ResolvedPlan,
+    results: Sequence[dict[str, Any]],
+    events: Sequence[Sequence[Any] | None] | None = None,
+    *,
+    tensor: str | None = None,
+    title: str = "tpviz report",
+) -> str:
+    """The plan's figures, then each load (`events[i]`, if given, are the events of
+    `results[i]` and draw its memory over time); several loads are also overlaid."""
+    from .widgets import figures
+
+    runs = []
+    for i, result in enumerate(results):
+        evts = events[i] if events and i < len(events) else None
+        if evts is None:
+            runs.append(None)
+            continue
+        run = figures.memory_run(
+            plan,
+            result["strategy"],
+            result["strategy"],
+            result.get("device", "cpu"),
+            result.get("init", "checkpoint"),
+            color_offset=i * plan.world_size,
+        )
+        run.series.add(evts)
+        runs.append(run)
+    parts = plan_parts(plan, tensor)
+    if len(results) > 1:
+        parts.append("<h2>All loads</h2>")
+        drawn = [r for r in runs if r is not None]
+        if drawn:
+            device = results[0].get("device", "cpu")
+            parts.append(figures.memory_figure(drawn, figures.default_measure(device)))
+        parts.append(figures.peaks_figure(results))
+    for result, run in zip(results, runs):
+        parts += load_parts(result, run)
+    return html_page(title, parts)
+
+
+def write_html_report(
+    path: str | os.PathLike,
+    plan: ResolvedPlan,
+    results: Sequence[dict[str, Any]],
+    events: Sequence[Sequence[Any] | None] | None = None,
+) -> Path:
+    """Write `html_report(plan, results, events)` to `path`; opens offline."""
+    out = Path(path)
+    out.write_text(html_report(plan, results, events), encoding="utf-8")
+    return out

@@ -122,3 +122,24 @@ def _save_sharded(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: i
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def cache_dir() -> Path:
+    """Where demo checkpoints live: `$TPVIZ_CACHE`, else ~/.cache/tpviz."""
+    return Path(os.environ.get("TPVIZ_CACHE", Path.home() / ".cache" / "tpviz"))
+
+
+def demo_checkpoint(preset: str = "small", cache: str | os.PathLike | None = None) -> Path:
+    """The `preset` demo checkpoint in the cache dir, made on first use (`tpviz demo`, the
+    notebooks, the Dashboard and the benchmarks share it)."""
+    root = Path(cache) if cache is not None else cache_dir()
+    target = root / f"demo-{preset}"
+    if not (target / "config.json").exists():
+        tmp = root / f".demo-{preset}-{os.getpid()}"
+        make_checkpoint(tmp, preset)
+        try:
+            tmp.rename(target)  # whole or not at all: another process may be making it too
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    return target

@@ -1,0 +1,523 @@
+"""The notebook widgets headless: figure builders, the redraw throttle, PlanView, LoadMonitor
+(on one real 2-rank job, reused), the Dashboard and the HTML reports."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+
+import numpy as np
+import pytest
+
+import tpviz
+from tpviz.events import Done, Memory, Phase, UnitDone, UnitStart
+from tpviz.plan import RankShard, TensorPlan, forecast, local_shape, resolve_plan, shard_blocks
+from tpviz.report import html_report, write_html_report
+from tpviz.widgets import figures
+from tpviz.widgets.throttle import Throttle
+
+WAIT = 120  # seconds: generous bound for a tiny 2-rank load
+
+
+class FakeTime:
+    """An injected clock and scheduler: time moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.timers: list[tuple[float, object]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def schedule(self, delay: float, fn) -> None:
+        self.timers.append((self.now + delay, fn))
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        due = [t for t in self.timers if t[0] <= self.now]
+        self.timers = [t for t in self.timers if t[0] > self.now]
+        for _, fn in due:
+            fn()
+
+    def drain(self) -> None:
+        while self.timers:
+            self.advance(max(0.0, min(t for t, _ in self.timers) - self.now))
+
+
+def as_bytes(values, unit: str) -> list[int]:
+    """Axis values (in `unit`: powers of two, so exact) back in bytes."""
+    return [round(v * figures.UNITS[unit]) for v in values]
+
+
+def rectangles(trace) -> list[tuple[float, float, float, float]]:
+    """The rectangles of a filled block trace: (x0, x1, y0, y1) per None-separated polygon."""
+    xs, ys = list(trace.x), list(trace.y)
+    out = []
+    for i in range(0, len(xs), 6):
+        px, py = xs[i : i + 5], ys[i : i + 5]
+        assert xs[i + 5] is None and px[0] == px[-1] and py[0] == py[-1]
+        out.append((min(px), max(px), min(py), max(py)))
+    return out
+
+
+def expected_rectangles(shard) -> list[tuple[int, int, int, int]]:
+    """A 2-D block as a rectangle: columns (dim 1) across, rows (dim 0) down."""
+    return [
+        (b.offset[1], b.offset[1] + b.shape[1], b.offset[0], b.offset[0] + b.shape[0])
+        for b in shard.blocks
+    ]
+
+
+def synthetic_tensor(shape, dim, world_size, parts=1, style="colwise") -> TensorPlan:
+    ranks = [
+        RankShard(
+            r,
+            local_shape(shape, dim, blocks),
+            4 * math.prod(local_shape(shape, dim, blocks)),
+            blocks,
+        )
+        for r, blocks in enumerate(shard_blocks(shape, dim, world_size, parts))
+    ]
+    placement = "replicate" if dim is None else f"shard({dim})"
+    return TensorPlan("w", "m", style, style, placement, list(shape), "float32", [], ranks)
+
+
+def memory_events(rank: int, t0: float, rss0: int, steps: int, step_bytes: int) -> list:
+    """A rank that samples twice before loading, then grows by `step_bytes` per sample."""
+    out = [Memory(rank, t0 - 0.2, rss=rss0 - 5, rss_anon=1, tensor_bytes=0)]
+    out.append(Memory(rank, t0 - 0.01, rss=rss0, rss_anon=1, tensor_bytes=0))
+    out.append(Phase(rank, t0, name="loading"))
+    out += [
+        Memory(
+            rank, t0 + 0.05 * (i + 1), rss=rss0 + step_bytes * (i + 1), rss_anon=1, tensor_bytes=i
+        )
+        for i in range(steps)
+    ]
+    return out
+
+
+# --- figure builders --------------------------------------------------------------------------
+
+
+def test_bytes_by_style_adds_up_per_rank_and_hatches_replicated_bytes(uneven3):
+    plan = resolve_plan(uneven3, 3)
+    fig = figures.bytes_by_style_figure(plan)
+    bars = [t for t in fig.data if t.type == "bar"]
+    unit = fig.layout.yaxis.title.text
+    assert unit == "KiB"  # about 400 KiB per rank
+    for r in range(3):
+        assert sum(as_bytes([t.y[r] for t in bars], unit)) == plan.per_rank_bytes[r]
+    replicated = [t for t in bars if t.meta["replicated"]]
+    assert replicated and all(t.marker.pattern.shape == "/" for t in replicated)
+    assert all("replicated" in t.name for t in replicated)
+    assert {t.meta["style"] for t in bars if not t.meta["replicated"]} >= {"colwise", "rowwise"}
+
+
+@pytest.mark.parametrize(
+    "shape,dim,world_size,parts",
+    [
+        ([1001, 96], 0, 3, 1),  # uneven rows: 334, 334, 333
+        ([96, 352], 1, 3, 1),  # columns: rowwise
+        ([9, 4], 0, 4, 1),  # 3, 3, 3 and an empty rank
+        ([704, 96], 0, 2, 2),  # packed: two blocks per rank
+    ],
+)
+def test_block_diagram_draws_each_rank_its_blocks_to_scale(shape, dim, world_size, parts):
+    tensor = synthetic_tensor(shape, dim, world_size, parts)
+    fig = figures.block_diagram_figure(tensor)
+    blocks = {t.meta["rank"]: t for t in fig.data if t.meta["kind"] == "block"}
+    for shard in tensor.ranks:
+        if shard.blocks:
+            assert sorted(rectangles(blocks[shard.rank])) == sorted(expected_rectangles(shard))
+            assert blocks[shard.rank].fill == "toself"
+        else:
+            assert shard.rank not in blocks
+            empty = [t for t in fig.data if t.meta["kind"] == "empty"]
+            assert [t.meta["rank"] for t in empty] == [shard.rank]
+            assert "empty" in empty[0].name and "empty" in fig.layout.title.text.split("<br>")[1]
+    # the whole tensor, to scale: one unit of rows is as long as one unit of columns
+    assert list(fig.layout.xaxis.range) == [0, shape[1]]
+    assert list(fig.layout.yaxis.range) == [shape[0], 0]
+    assert fig.layout.yaxis.scaleanchor == "x" and fig.layout.yaxis.scaleratio == 1
+    # every cut falls on a tick
+    cuts = {b.offset[dim] for s in tensor.ranks for b in s.blocks}
+    ticks = fig.layout.yaxis.tickvals if dim == 0 else fig.layout.xaxis.tickvals
+    assert cuts <= set(ticks)
+
+
+def test_block_diagram_of_real_plan_tensors_matches_their_offsets(uneven3):
+    plan = resolve_plan(uneven3, 3)
+    for t in plan.params:
+        fig = figures.block_diagram_figure(t)
+        if t.shard_dim is None:
+            (whole,) = [d for d in fig.data if d.meta["kind"] == "replicated"]
+            assert whole.meta["ranks"] == [0, 1, 2]
+            continue
+        for d in fig.data:
+            if d.meta["kind"] == "block":
+                shard = t.ranks[d.meta["rank"]]
+                if len(t.global_shape) == 2:
+                    assert sorted(rectangles(d)) == sorted(expected_rectangles(shard))
+                else:  # 1-D: one row along x
+                    want = [(b.offset[0], b.offset[0] + b.shape[0], 0, 1) for b in shard.blocks]
+                    assert rectangles(d) == want
+
+
+def test_representative_tensor_prefers_an_uneven_split(uneven3, tiny):
+    assert figures.representative_tensor(resolve_plan(uneven3, 3).params).name.endswith(
+        "embed_tokens.weight"
+    )
+    chosen = figures.representative_tensor(resolve_plan(tiny, 2).params)
+    assert chosen.shard_dim is not None and figures.layer_of(chosen.name) is not None
+
+
+def test_memory_figure_has_one_line_per_rank_and_dashed_forecasts(tiny):
+    plan = resolve_plan(tiny, 2)
+    run = figures.memory_run(plan, "sliced", "sliced")
+    run.series.add(memory_events(0, 100.0, 1000, 5, 10) + memory_events(1, 100.1, 2000, 4, 20))
+    fig = figures.memory_figure([run], "rss_growth")
+    lines = [t for t in fig.data if t.meta["kind"] == "memory"]
+    assert [t.meta["rank"] for t in lines] == [0, 1]
+    assert all(t.line.dash is None for t in lines)
+    # RSS growth counts from the sample right before loading; time from loading's start
+    assert fig.layout.yaxis.title.text == "MiB"
+    assert as_bytes(lines[0].y, "MiB") == [0, 10, 20, 30, 40, 50]
+    assert as_bytes(lines[1].y, "MiB") == [0, 20, 40, 60, 80]
+    assert lines[0].x[0] == pytest.approx(-0.01) and lines[1].x[0] == pytest.approx(0.09)
+    peaks = forecast(plan, "sliced").peak_bytes
+    for kind, dash, values in (
+        ("forecast_shard", "dash", plan.per_rank_bytes),
+        ("forecast_peak", "dashdot", peaks),
+    ):
+        found = [t for t in fig.data if t.meta["kind"] == kind]
+        assert [t.meta["rank"] for t in found] == [0, 1]
+        for t in found:
+            assert t.line.dash == dash
+            assert set(as_bytes(t.y, "MiB")) == {values[t.meta["rank"]]}
+            assert t.x[0] <= 0 and t.x[1] >= lines[t.meta["rank"]].x[-1]
+    assert "mmap" in fig.layout.title.text  # says what RSS counts
+
+
+def test_memory_measures_absolute_rss_sits_forecasts_on_the_baseline(tiny):
+    plan = resolve_plan(tiny, 2)
+    run = figures.memory_run(plan, "sliced", "sliced")
+    run.series.add(memory_events(0, 100.0, 1000, 3, 10))
+    traces = figures.rank_traces(run, 0, "rss")
+    assert as_bytes(traces[0].y, "MiB") == [995, 1000, 1010, 1020, 1030]
+    assert set(as_bytes(traces[1].y, "MiB")) == {1000 + plan.per_rank_bytes[0]}
+    cuda = figures.rank_traces(run, 0, "cuda_allocated")
+    assert len(cuda[0].x) == 0  # no CUDA samples on CPU: an empty line, not zeros
+
+
+def test_overlaid_runs_are_named_and_coloured_apart(tiny):
+    plan = resolve_plan(tiny, 2)
+    runs = [
+        figures.memory_run(plan, s, s, color_offset=2 * i)
+        for i, s in enumerate(("sliced", "replicated"))
+    ]
+    fig = figures.memory_figure(runs, "rss_growth")
+    lines = [t for t in fig.data if t.meta["kind"] == "memory"]
+    assert [t.name for t in lines] == [
+        "sliced rank 0",
+        "sliced rank 1",
+        "replicated rank 0",
+        "replicated rank 1",
+    ]
+    assert len({t.line.color for t in lines}) == 4
+
+
+def test_thinning_keeps_the_peak_and_the_last_point():
+    xs = np.arange(10_000, dtype=float)
+    ys = xs % 97
+    ys[5_001] = 10**6
+    tx, ty = figures.thin(xs, ys, limit=1000)
+    assert len(tx) <= 1002 and tx[-1] == 9_999 and 10**6 in ty
+
+
+# --- throttle ---------------------------------------------------------------------------------
+
+
+def test_throttle_caps_a_burst_of_ten_thousand_requests():
+    fake = FakeTime()
+    calls = []
+    throttle = Throttle(
+        lambda: calls.append(fake.now), 10.0, clock=fake.clock, schedule=fake.schedule
+    )
+    for _ in range(10_000):  # all at the same instant
+        throttle.request()
+    assert len(calls) == 1
+    fake.drain()
+    assert len(calls) == 2  # and one more for the state after the burst
+    calls.clear()
+    for _ in range(10_000):  # 10,000 over 2 s
+        fake.advance(0.0002)
+        throttle.request()
+    fake.drain()
+    assert len(calls) <= 2 * 10 + 2
+    assert all(b - a >= 0.1 - 1e-9 for a, b in zip(calls, calls[1:]))
+
+
+def test_monitor_redraws_at_most_ten_times_a_second_however_many_events(tiny):
+    fake = FakeTime()
+    plan = resolve_plan(tiny, 2)
+    monitor = tpviz.LoadMonitor(plan=plan, clock=fake.clock, schedule=fake.schedule)
+    start = monitor.updates
+    t = 1000.0
+    for i in range(10_000):  # one event every 0.1 ms: 1 s of events
+        fake.advance(0.0001)
+        t += 0.0001
+        event = Memory(i % 2, t, rss=10**8 + i, rss_anon=None, tensor_bytes=i)
+        monitor.feed([event])
+    fake.drain()
+    assert monitor.updates - start <= 10 + 2
+    lines = [d for d in monitor.chart.figure.data if d.meta["kind"] == "memory"]
+    assert len(lines) == 2
+    monitor.chart.measure.value = "tensor_bytes"
+    assert as_bytes(lines[1].y, monitor.chart.unit)[-1] == 9_999  # the last event was drawn
+
+
+# --- PlanView ---------------------------------------------------------------------------------
+
+
+def test_plan_view_table_filters_badges_and_issues(tiny):
+    plan = resolve_plan(tiny, 2, {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.w9": "rowwise"})
+    view = tpviz.PlanView(plan)
+    table = view.table.value
+    assert table.count("<details") == 2  # one per layer, collapsible
+    assert "tpviz-badge" in table and "embed_tokens" in table
+    assert "176×128 · 88.0 KiB" in table  # up_proj's shard on each rank
+    assert "unmatched_pattern" in view.issues.value and "w9" in view.issues.value
+    view.name_filter.value = "layers.1.*proj"
+    names = {t.name for t in view.visible_tensors()}
+    assert names and all(n.startswith("model.layers.1.") and "proj" in n for n in names)
+    assert "embed_tokens" not in view.table.value
+    view.name_filter.value = ""
+    view.style_filter.value = "colwise"
+    assert {t.name for t in view.visible_tensors()} == {
+        f"model.layers.{i}.mlp.up_proj.weight" for i in (0, 1)
+    }
+    assert set(view.tensor.options) == {t.name for t in view.visible_tensors()}
+
+
+def test_plan_view_world_size_control_resolves_live(tiny):
+    view = tpviz.PlanView(resolve_plan(tiny, 2))
+    seen = []
+    view.on_plan_change(seen.append)
+    view.world_size.value = 3
+    assert view.plan.world_size == 3 and view.plan.errors
+    assert (
+        "head_alignment" in view.issues.value
+        and "world sizes that work: 1, 2, 4" in view.issues.value
+    )
+    view.world_size.value = 4
+    assert not view.plan.errors and "no warnings or errors" in view.issues.value
+    assert [p.world_size for p in seen] == [3, 4]
+    bars = [t for t in view.bytes_figure.data if t.type == "bar"]
+    assert len(bars[0].x) == 4
+    view.select("model.layers.0.mlp.down_proj.weight")
+    blocks = [t for t in view.block_figure.data if t.meta["kind"] == "block"]
+    tensor = view.plan.tensor("model.layers.0.mlp.down_proj.weight")
+    assert len(blocks) == 4
+    for d in blocks:
+        assert rectangles(d) == expected_rectangles(tensor.ranks[d.meta["rank"]])
+    html = view.to_html()
+    assert "down_proj" in html and "<script src=" not in html
+
+
+# --- LoadMonitor on a real job ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def monitored(tiny, tmp_path_factory):
+    """One verified 2-rank load, watched from the start and written to an events dir."""
+    events_dir = tmp_path_factory.mktemp("events")
+    job = tpviz.launch(tiny, 2, verify=True, timeout=WAIT, events_dir=events_dir)
+    start = time.monotonic()
+    monitor = tpviz.LoadMonitor(job)
+    built = time.monotonic() - start
+    state_after_constructor = job.state
+    monitor.wait(WAIT)
+    yield job, monitor, built, state_after_constructor, events_dir
+    job.shutdown()
+
+
+def test_monitor_does_not_block_while_the_job_loads(monitored):
+    job, monitor, built, state, _ = monitored
+    assert state == "starting"  # the constructor returned while the ranks still started
+    assert monitor.updates >= 2  # and redraws came later, from background threads
+
+
+def test_monitor_draws_one_memory_line_per_rank_with_dashed_forecasts(monitored):
+    job, monitor, *_ = monitored
+    data = monitor.chart.figure.data
+    lines = [t for t in data if t.meta["kind"] == "memory"]
+    assert [t.meta["rank"] for t in lines] == [0, 1] and all(len(t.x) > 1 for t in lines)
+    shards = {t.meta["rank"]: t for t in data if t.meta["kind"] == "forecast_shard"}
+    peaks = {t.meta["rank"]: t for t in data if t.meta["kind"] == "forecast_peak"}
+    for r in range(2):
+        unit = monitor.chart.unit
+        assert shards[r].line.dash == "dash" and peaks[r].line.dash == "dashdot"
+        assert set(as_bytes(shards[r].y, unit)) == {job.plan.per_rank_bytes[r]}
+        assert set(as_bytes(peaks[r].y, unit)) == {job.result["ranks"][r]["forecast_peak_bytes"]}
+    monitor.chart.measure.value = "rss"
+    assert as_bytes(lines[0].y, monitor.chart.unit)[0] > 10**8  # imported torch and all
+    monitor.chart.measure.value = "rss_growth"
+
+
+def test_monitor_progress_bars_reach_their_end_and_summary_appears(monitored):
+    job, monitor, *_ = monitored
+    units = len(job.plan.units())
+    for r, (bar, text) in monitor._bars.items():
+        assert bar.value == bar.max == job.progress[r].bytes_total and bar.bar_style == "success"
+        assert f"{units}/{units} modules" in text.value
+    assert (
+        "loaded:" in monitor.status.value and "shards match the plan: yes" in monitor.status.value
+    )
+    summary = monitor.summary.value
+    assert '<table class="tpviz-summary">' in summary and "verification ok" in summary
+    assert summary.count("<tr>") == 3  # header and one row per rank
+    assert monitor.cancel_button.disabled
+    assert monitor.wait(1) is job.result
+
+
+def test_monitor_to_html_and_report_are_self_contained(monitored, tmp_path):
+    job, monitor, *_ = monitored
+    html = monitor.to_html()
+    assert "Memory per rank" in html and "tpviz-summary" not in html  # figures, not widgets
+    assert re.search(r"<script[^>]+src=", html) is None and "plotly.js v" in html
+    path = write_html_report(tmp_path / "r.html", job.plan, [job.result])
+    text = path.read_text()
+    assert "Peak memory per rank" in text and "Bytes per rank by style" in text
+    assert re.search(r"<script[^>]+src=", text) is None
+    with_events = html_report(job.plan, [job.result, job.result], [job.events, None])
+    assert with_events.count("Memory per rank") == 2  # the overlay and the first load
+    assert with_events.count("plotly.js v") == 1  # inlined once
+
+
+def test_monitor_follows_an_events_dir(monitored):
+    job, _, _, _, events_dir = monitored
+    follower = tpviz.LoadMonitor.from_events_dir(events_dir, poll_seconds=0.05)
+    result = follower.wait(30)
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+    lines = [t for t in follower.chart.figure.data if t.meta["kind"] == "memory"]
+    assert len(lines) == 2 and all(len(t.x) > 1 for t in lines)
+    peaks = [t for t in follower.chart.figure.data if t.meta["kind"] == "forecast_peak"]
+    unit = follower.chart.unit
+    want = [{r["forecast_peak_bytes"]} for r in result["ranks"]]
+    assert [set(as_bytes(t.y, unit)) for t in peaks] == want
+    assert "tpviz-summary" in follower.summary.value
+    units = len(job.plan.units())
+    assert all(bar.value == bar.max == units for bar, _ in follower._bars.values())
+
+
+def test_cancel_button_really_cancels(tiny):
+    job = tpviz.launch(tiny, 2, timeout=WAIT)
+    monitor = tpviz.LoadMonitor(job)
+    monitor.cancel_button.click()
+    assert job.state == "cancelled"
+    with pytest.raises(tpviz.LoadError, match="cancelled"):
+        monitor.wait(30)
+    assert "cancelled" in monitor.status.value and monitor.cancel_button.disabled
+    assert all(bar.bar_style == "danger" for bar, _ in monitor._bars.values())
+    assert job._procs == []  # every rank ended
+    job.shutdown()
+
+
+def test_events_carry_what_the_monitor_tracks():
+    monitor = tpviz.LoadMonitor()
+    monitor.feed(
+        [
+            Phase(0, 1.0, name="loading"),
+            UnitStart(0, 1.1, module="a", bytes=8, index=0, total=2),
+            UnitDone(0, 1.2, module="a", bytes=8, seconds=0.1, index=0, total=2),
+            UnitStart(0, 1.3, module="b", bytes=4, index=1, total=2),
+        ]
+    )
+    time.sleep(0.3)  # the trailing redraw runs on a timer thread
+    bar, text = monitor._bars[0]
+    assert (bar.value, bar.max) == (1, 2) and "1/2 modules" in text.value and "· b" in text.value
+    monitor.feed(
+        [
+            Done(
+                0,
+                2.0,
+                result={
+                    "rank": 0,
+                    "seconds": 0.1,
+                    "load_seconds": 0.2,
+                    "param_bytes": 12,
+                    "planned_bytes": 12,
+                    "peak_rss_bytes": 0,
+                    "peak_tensor_bytes": 12,
+                    "forecast_peak_bytes": 12,
+                },
+            )
+        ]
+    )
+    assert monitor.wait(5)["ranks"][0]["param_bytes"] == 12
+
+
+# --- Dashboard --------------------------------------------------------------------------------
+
+
+def test_dashboard_validates_loads_and_overlays_strategies(tmp_path):
+    dash = tpviz.Dashboard(cache=tmp_path)
+    assert dash.source.value == str(tmp_path / "demo-tiny") and dash.plan.world_size == 2
+    good = dash.plan_editor.value
+    assert json.loads(good)["lm_head"] == "colwise_gather_output"
+    dash.plan_editor.value = good[:-3]
+    assert "plan JSON: line" in dash.validation.value
+    dash.plan_editor.value = good.replace('"rowwise"', '"rowwize"', 1)
+    assert "unknown_style" in dash.validation.value and "rowwise" in dash.validation.value
+    assert dash.load() is None and "errors" in dash.status.value
+    dash.plan_editor.value = good
+    dash.plan_view.world_size.value = 3
+    assert "head_alignment" in dash.validation.value and dash.load() is None
+    dash.plan_view.world_size.value = 2
+    assert "plan valid" in dash.validation.value
+    try:
+        dash.load()
+        first = dash.wait(WAIT)
+        dash.strategy.value = "rank0_broadcast"
+        dash.profile.value = True
+        dash.load()
+        second = dash.wait(WAIT)
+    finally:
+        dash.shutdown()
+    assert [r["strategy"] for r in dash.results] == ["sliced", "rank0_broadcast"]
+    assert first["verify"]["ok"] and second["verify"]["ok"]
+    lines = [t for t in dash.chart.figure.data if t.meta["kind"] == "memory"]
+    assert [t.name for t in lines] == [
+        "sliced rank 0",
+        "sliced rank 1",
+        "rank0_broadcast rank 0",
+        "rank0_broadcast rank 1",
+    ]
+    assert all(len(t.x) > 1 for t in lines)
+    profile = second["profile"]["dir"]
+    assert profile.startswith(str(tmp_path / "profiles")) and any(
+        p.suffix == ".json" or p.name.endswith(".pt.trace.json") for p in _files(profile)
+    )
+    assert f"tensorboard --logdir {profile}" in dash.status.value
+    assert dash.comparison.value.count("<tr>") == 3
+    assert dash.to_html().count("Memory per rank") == 3  # the overlay and each load
+
+
+def _files(directory):
+    from pathlib import Path
+
+    return [p for p in Path(directory).rglob("*") if p.is_file()]
+
+
+def test_lazy_exports_are_the_widget_classes():
+    from tpviz.widgets.dashboard import Dashboard
+    from tpviz.widgets.monitor import LoadMonitor
+    from tpviz.widgets.plan_view import PlanView
+
+    assert (tpviz.PlanView, tpviz.LoadMonitor, tpviz.Dashboard) == (
+        PlanView,
+        LoadMonitor,
+        Dashboard,
+    )

@@ -1,0 +1,332 @@
+"""Dashboard: pick a checkpoint or a demo preset, the world size, strategy, dtype and device;
+edit the plan with live validation; see the PlanView; load and watch; and compare loads, whose
+memory lines overlay on one chart."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from html import escape
+from pathlib import Path
+from typing import Any
+
+import ipywidgets as widgets
+import torch
+
+from ..launcher import LoadError, LoadJob, launch
+from ..models.demo import PRESETS, cache_dir, demo_checkpoint
+from ..plan import STRATEGIES, ResolvedPlan, load_plan_patterns, resolve_plan
+from ..report import html_page, human_bytes, load_parts, plan_parts
+from . import figures
+from .monitor import LoadMonitor, MemoryChart
+from .plan_view import PlanView, issues_html
+
+
+class Dashboard(widgets.VBox):
+    """One widget to choose, resolve, load and compare: `tpviz.Dashboard()`.
+
+    Each Load closes the previous job and adds its memory lines to the shared chart, labelled
+    by strategy, so strategies compare at a glance. `load()` and `wait()` do from code what
+    the Load button does.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike | None = None,
+        *,
+        preset: str = "tiny",
+        world_size: int = 2,
+        strategy: str = "sliced",
+        cache: str | os.PathLike | None = None,
+    ):
+        self.cache = Path(cache) if cache is not None else cache_dir()
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        self.model = widgets.Dropdown(
+            # "" rather than None: a Dropdown shows a None value as no selection at all
+            options=[("checkpoint directory", ""), *((f"demo: {p}", p) for p in PRESETS)],
+            value="" if source is not None else preset,
+            description="model",
+        )
+        self.source = widgets.Text(
+            value=str(source or ""),
+            placeholder="/path/to/checkpoint",
+            description="directory",
+            continuous_update=False,
+            layout=widgets.Layout(width="520px"),
+        )
+        self.strategy = widgets.Dropdown(options=STRATEGIES, value=strategy, description="strategy")
+        self.dtype = widgets.Dropdown(
+            options=[("checkpoint's", ""), *((d, d) for d in ("float32", "bfloat16", "float16"))],
+            description="dtype",
+        )
+        self.device = widgets.Dropdown(options=devices, description="device")
+        self.verify = widgets.Checkbox(value=True, description="verify", indent=False)
+        self.profile = widgets.Checkbox(value=False, description="profile", indent=False)
+        self.plan_editor = widgets.Textarea(
+            rows=8,
+            continuous_update=True,
+            placeholder='{"layers.*.mlp.up_proj": "colwise", ...}',
+            layout=widgets.Layout(width="100%"),
+        )
+        self.validation = widgets.HTML()
+        self.load_button = widgets.Button(description="Load", icon="play", button_style="primary")
+        self.load_button.on_click(lambda _: self.load())
+        self.status = widgets.HTML()
+        self.chart = MemoryChart(figures.default_measure(devices[0]))
+        self.device.observe(self._on_device, "value")
+        self.monitor_box = widgets.VBox()
+        self.comparison = widgets.HTML()
+        self.plan_box = widgets.VBox()
+        self.plan_view: PlanView | None = None
+        self.monitors: list[LoadMonitor] = []
+        self.job: LoadJob | None = None
+        self._patterns: dict[str, str] | None = None  # the editor's last valid plan
+        self._editing = False
+        self._world_size = world_size
+        plan_tab = widgets.VBox(
+            [
+                widgets.HTML("<b>Plan</b> (JSON: pattern → style; validated as you type)"),
+                self.plan_editor,
+                self.validation,
+                self.plan_box,
+            ]
+        )
+        load_tab = widgets.VBox([self.chart.widget, self.monitor_box, self.comparison])
+        self.tabs = widgets.Tab([plan_tab, load_tab], titles=("Plan", "Load"))
+        super().__init__(
+            [
+                widgets.HBox([self.model, self.source]),
+                widgets.HBox([self.strategy, self.dtype, self.device, self.verify, self.profile]),
+                widgets.HBox([self.load_button, self.status]),
+                self.tabs,
+            ]
+        )
+        self.model.observe(lambda _: self.open_source(), "value")
+        self.source.observe(lambda _: self.open_source(), "value")
+        self.dtype.observe(self._on_dtype, "value")
+        self.plan_editor.observe(self._on_plan_text, "value")
+        self.open_source()
+
+    # --- choosing and resolving -------------------------------------------------------------
+
+    @property
+    def plan(self) -> ResolvedPlan | None:
+        return self.plan_view.plan if self.plan_view is not None else None
+
+    def open_source(self) -> ResolvedPlan | None:
+        """Resolve the chosen checkpoint (making a demo one if needed) with its default plan,
+        and put that plan in the editor."""
+        self.source.disabled = bool(self.model.value)
+        if self.model.value:
+            self.status.value = escape(f"opening the {self.model.value} demo checkpoint ...")
+            path = demo_checkpoint(self.model.value, self.cache)
+            if self.source.value != str(path):
+                self.source.value = str(path)  # observed: opens again, with the path
+                return self.plan
+        elif not self.source.value.strip():
+            self._patterns = None
+            self.validation.value = issues_html(None, "choose a checkpoint directory or a demo")
+            return None
+        world_size = self.plan_view.world_size.value if self.plan_view else self._world_size
+        try:
+            plan = resolve_plan(
+                self.source.value.strip(), world_size, dtype=self.dtype.value or None
+            )
+        except (ValueError, OSError) as e:
+            self._patterns = None  # nothing to load until a source resolves
+            self.validation.value = issues_html(None, str(e))
+            self.status.value = ""
+            return None
+        self._editing = True
+        try:
+            self.plan_editor.value = json.dumps(plan.patterns, indent=2)
+        finally:
+            self._editing = False
+        self._show(plan)
+        self.status.value = ""
+        return plan
+
+    def _on_plan_text(self, change: dict[str, Any]) -> None:
+        if not self._editing:
+            self.validate(change["new"])
+
+    def validate(self, text: str) -> ResolvedPlan | None:
+        """Check plan JSON `text`: a parse error or the plan's errors and warnings are shown;
+        a plan that resolves is shown in the PlanView (errors included)."""
+        try:
+            patterns = load_plan_patterns(json.loads(text))
+        except json.JSONDecodeError as e:
+            self._patterns = None
+            self.validation.value = issues_html(
+                None, f"plan JSON: line {e.lineno}, column {e.colno}: {e.msg}"
+            )
+            return None
+        except ValueError as e:
+            self._patterns = None
+            self.validation.value = issues_html(None, str(e))
+            return None
+        if self.plan is None:
+            return None
+        try:
+            plan = resolve_plan(
+                self.plan.source, self.plan.world_size, patterns, dtype=self.dtype.value or None
+            )
+        except (ValueError, OSError) as e:
+            self._patterns = None
+            self.validation.value = issues_html(None, str(e))
+            return None
+        self._show(plan)
+        return plan
+
+    def _show(self, plan: ResolvedPlan) -> None:
+        self._patterns = dict(plan.patterns)
+        if self.plan_view is None:
+            self.plan_view = PlanView(plan)
+            self.plan_view.on_plan_change(self._on_plan_change)
+            self.plan_box.children = [self.plan_view]
+            self._on_plan_change(plan)
+        else:
+            self.plan_view.set_plan(plan)
+
+    def _on_plan_change(self, plan: ResolvedPlan) -> None:
+        if plan.errors or plan.warnings:
+            self.validation.value = issues_html(plan)
+        else:
+            self.validation.value = (
+                '<div class="tpviz-issues"><div class="ok">plan valid: no warnings or errors; '
+                "ready to load</div></div>"
+            )
+
+    def _on_dtype(self, _change: dict[str, Any]) -> None:
+        if self.plan is None:
+            self.open_source()
+        else:
+            self.validate(self.plan_editor.value)
+
+    def _on_device(self, change: dict[str, Any]) -> None:
+        self.chart.measure.value = figures.default_measure(change["new"])
+
+    # --- loading ----------------------------------------------------------------------------
+
+    def load(self) -> LoadMonitor | None:
+        """Close the previous job and load the current plan with the chosen options; the new
+        memory lines join the chart. None (with the reason shown) if it cannot start."""
+        plan = self.plan
+        reason = None
+        if self.monitors and not self.monitors[-1].finished:
+            reason = "a load is still running: wait for it or cancel it"
+        elif plan is None or self._patterns is None:
+            reason = "the plan is not valid: see the Plan tab"
+        elif plan.errors:
+            reason = "the plan has errors: see the Plan tab"
+        if reason:
+            self.status.value = f'<span style="color:#b00020">{escape(reason)}</span>'
+            return None
+        self.shutdown()
+        strategy = self.strategy.value
+        profile_dir = None
+        if self.profile.value:
+            profile_dir = self.cache / "profiles" / f"{strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
+        try:
+            job = launch(
+                plan.source,
+                plan.world_size,
+                plan,
+                strategy=strategy,
+                device=self.device.value,
+                verify=self.verify.value,
+                profile_dir=profile_dir,
+            )
+        except (ValueError, LoadError) as e:
+            self.status.value = f'<span style="color:#b00020">{escape(str(e))}</span>'
+            return None
+        used = sum(m.job is not None and m.job.options.strategy == strategy for m in self.monitors)
+        label = strategy if not used else f"{strategy} #{used + 1}"
+        monitor = LoadMonitor(job, chart=self.chart, label=label)
+        self.job = job
+        self.monitors.append(monitor)
+        self.monitor_box.children = [monitor]
+        self.tabs.selected_index = 1  # the Load tab: the chart and the new monitor
+        self.load_button.disabled = True
+        where = f"; profiler traces go to {profile_dir}" if profile_dir else ""
+        self.status.value = escape(f"loading with {label}{where}")
+        monitor.on_finish(self._on_finished)
+        return monitor
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait for the latest load; its result (or its error raised)."""
+        if not self.monitors:
+            raise RuntimeError("nothing was loaded yet")
+        return self.monitors[-1].wait(timeout)
+
+    @property
+    def results(self) -> list[dict[str, Any]]:
+        """The results of the loads so far, oldest first."""
+        return [m.result for m in self.monitors if m.result is not None]
+
+    def shutdown(self) -> None:
+        """Close the current job (its memory lines stay on the chart)."""
+        if self.job is not None:
+            self.job.shutdown()
+            self.job = None
+
+    def close(self) -> None:
+        self.shutdown()
+        super().close()
+
+    def to_html(self) -> str:
+        """The dashboard as a self-contained HTML page: the plan, the overlaid loads and each
+        load's summary (plotly.js inline, opens offline)."""
+        parts: list[Any] = plan_parts(self.plan) if self.plan is not None else []
+        if self.monitors:
+            runs = [m.run for m in self.monitors]
+            parts += ["<h2>All loads</h2>", figures.memory_figure(runs, self.chart.measure.value)]
+        for m in self.monitors:
+            parts += load_parts(m.result, m.run, self.chart.measure.value)
+        return html_page("tpviz dashboard", parts)
+
+    def _on_finished(self, monitor: LoadMonitor) -> None:
+        self.load_button.disabled = False
+        result = monitor.result
+        profile = (result or {}).get("profile")
+        if result is None:
+            self.status.value = escape(f"{monitor.label}: {monitor.job.state}")
+        elif profile:
+            self.status.value = escape(
+                f"{monitor.label} loaded; profiler traces in {profile['dir']}: open them with "
+                f"tensorboard --logdir {profile['dir']}"
+            )
+        else:
+            self.status.value = escape(f"{monitor.label} loaded")
+        self.comparison.value = comparison_html(self.monitors)
+
+
+def comparison_html(monitors: list[LoadMonitor]) -> str:
+    """One row per finished load: time, the largest peaks against forecast, verification."""
+    rows = []
+    for m in monitors:
+        r = m.result
+        if r is None:
+            continue
+        ranks = r["ranks"]
+        verify = (r.get("verify") or {}).get("ok")
+        cells = [
+            m.label,
+            f"{r['load_seconds']:.2f}",
+            human_bytes(max(x["peak_rss_bytes"] for x in ranks)),
+            human_bytes(max(x["peak_tensor_bytes"] for x in ranks)),
+            human_bytes(max(x["forecast_peak_bytes"] for x in ranks)),
+            {True: "ok", False: "FAILED", None: "-"}[verify],
+        ]
+        rows.append("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
+    if not rows:
+        return ""
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in ("load", "load s", "max peak RSS growth", "max peak tensors", "forecast", "verify")
+    )
+    return (
+        "<b>Loads so far</b> (largest rank; RSS growth counts mmap'd pages)"
+        f'<table class="tpviz-summary tpviz-comparison"><tr>{head}</tr>{"".join(rows)}</table>'
+    )

@@ -1,0 +1,407 @@
+"""LoadMonitor: follow a LoadJob, or the event files of a torchrun job, live in a notebook.
+
+Events arrive on the job's pump thread (or a file-following thread); they are queued and drawn
+by a throttled redraw, at most ~10 a second whatever the event rate, so the kernel's own
+thread stays free: other cells run while a load is in progress.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from html import escape
+from typing import Any
+
+import ipywidgets as widgets
+from plotly.graph_objects import FigureWidget  # at import: it takes seconds the first time
+
+from ..events import Done, Error, Event, JsonlTail, Phase, UnitDone, UnitStart
+from ..launcher import LoadError, LoadJob
+from ..plan import ResolvedPlan
+from ..report import html_page, human_bytes, load_parts, plan_parts
+from . import figures
+from .throttle import Schedule, Throttle, timer_thread
+
+FINISHED = ("loaded", "failed", "cancelled", "closing", "closed")
+MAX_UPDATES_PER_SECOND = 10.0
+
+_CSS = """<style>
+.tpviz-summary { border-collapse: collapse; font-size: 12px; margin: 4px 0; }
+.tpviz-summary td, .tpviz-summary th { padding: 2px 8px; border-bottom: 1px solid #ddd;
+  text-align: right; }
+.tpviz-status.failed, .tpviz-status.cancelled { color: #b00020; }
+</style>"""
+
+
+class MemoryChart:
+    """Memory over time, one line per rank and load, with a measure selector. Several monitors
+    may share one chart: each adds its load as a run, so strategies overlay."""
+
+    def __init__(self, measure: str = "rss_growth"):
+        self.measure = widgets.Dropdown(
+            options=[(label, key) for key, (label, _) in figures.MEASURES.items()],
+            value=measure,
+            description="measure",
+            layout=widgets.Layout(width="360px"),
+        )
+        self.figure = FigureWidget(figures.memory_figure([], measure))
+        self.runs: list[figures.MemoryRun] = []
+        self.unit = figures.memory_unit([])
+        self.lock = threading.RLock()  # runs are fed and drawn from several threads
+        self._slots: dict[tuple[int, int], int] = {}  # (run, rank) -> its first trace
+        self.measure.observe(self._on_measure, "value")
+        self.widget = widgets.VBox([self.measure, self.figure])
+
+    def add_run(self, run: figures.MemoryRun) -> None:
+        with self.lock:
+            run.color_offset = sum(max(len(r.ranks), 1) for r in self.runs)
+            self.runs.append(run)
+            unit = figures.memory_unit(self.runs)
+            if unit != self.unit:  # a larger model: every run again, in the new unit
+                self.unit = unit
+                self.redraw()
+            else:
+                self.draw(run)
+
+    def draw(self, run: figures.MemoryRun) -> None:
+        """Redraw `run` for the current measure; ranks new to it get their traces."""
+        with self.lock:
+            index = next(i for i, r in enumerate(self.runs) if r is run)
+            measure = self.measure.value
+            new = []
+            with self.figure.batch_update():
+                for rank in run.ranks:
+                    traces = figures.rank_traces(run, rank, measure, self.unit)
+                    slot = self._slots.get((index, rank))
+                    if slot is None:
+                        new.append((rank, traces))
+                        continue
+                    for target, trace in zip(self.figure.data[slot : slot + len(traces)], traces):
+                        target.x, target.y = trace.x, trace.y
+            for rank, traces in new:
+                self._slots[(index, rank)] = len(self.figure.data)
+                self.figure.add_traces(traces)
+
+    def redraw(self) -> None:
+        """Every run again, for the current measure and unit."""
+        with self.lock:
+            with self.figure.batch_update():
+                self.figure.layout.update(figures.memory_layout(self.measure.value, self.unit))
+            for run in self.runs:
+                self.draw(run)
+
+    def _on_measure(self, _change: dict[str, Any]) -> None:
+        self.redraw()
+
+
+@dataclass
+class _Rank:
+    """One rank's progress, from its events."""
+
+    units_done: int = 0
+    units_total: int = 0
+    bytes_done: int = 0
+    bytes_total: int | None = None  # known from the plan
+    module: str | None = None
+    phase: str = "starting"
+    error: str | None = None
+    result: dict[str, Any] | None = None
+
+
+class LoadMonitor(widgets.VBox):
+    """Live view of a load: `LoadMonitor(tpviz.launch(ckpt, 2))`.
+
+    Memory per rank over time with its forecasts, a progress bar per rank, a status line, a
+    Cancel button, and after loading a summary table with the verification result. Pass
+    `chart` to draw into a shared `MemoryChart`; `clock` and `schedule` drive the throttle.
+    """
+
+    def __init__(
+        self,
+        job: LoadJob | None = None,
+        *,
+        plan: ResolvedPlan | None = None,
+        chart: MemoryChart | None = None,
+        label: str | None = None,
+        max_rate: float = MAX_UPDATES_PER_SECOND,
+        clock: Callable[[], float] = time.monotonic,
+        schedule: Schedule = timer_thread,
+    ):
+        self.job = job
+        self.plan = job.plan if job is not None else plan
+        device = job.device if job is not None else "cpu"
+        strategy = job.options.strategy if job is not None else None
+        self.label = label or strategy or "load"
+        if self.plan is not None and job is not None:
+            self.run = figures.memory_run(
+                self.plan, self.label, job.options.strategy, device, job.options.init
+            )
+        else:
+            self.run = figures.MemoryRun(self.label)
+            if self.plan is not None:
+                self.run.shard_bytes = dict(enumerate(self.plan.per_rank_bytes))
+        self.chart = chart or MemoryChart(figures.default_measure(device))
+        self.updates = 0  # redraws so far: the throttle keeps them to `max_rate` a second
+        self.result: dict[str, Any] | None = None
+        self._ranks: dict[int, _Rank] = {}
+        self._bars: dict[int, tuple[widgets.FloatProgress, widgets.HTML]] = {}
+        self._pending: list[Event] = []
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self._stop = threading.Event()
+        self._finish_callbacks: list[Callable[[LoadMonitor], None]] = []
+        self._unsubscribe: Callable[[], None] | None = None
+        self._started = time.time()
+        self.status = widgets.HTML()
+        self.cancel_button = widgets.Button(
+            description="Cancel", icon="stop", button_style="warning", disabled=job is None
+        )
+        self.cancel_button.on_click(lambda _: self.cancel())
+        self.progress = widgets.VBox()
+        self.summary = widgets.HTML()
+        self._throttle = Throttle(self._refresh, max_rate, clock=clock, schedule=schedule)
+        children = [widgets.HTML(_CSS), self.status]
+        if chart is None:
+            children.append(self.chart.widget)
+        children += [self.progress, self.cancel_button, self.summary]
+        super().__init__(children)
+        if self.plan is not None:
+            units = self.plan.units()
+            for r in range(self.plan.world_size):
+                self._ranks[r] = _Rank(
+                    units_total=len(units),
+                    bytes_total=sum(t.ranks[r].bytes for _, ts in units for t in ts),
+                )
+        self.chart.add_run(self.run)
+        if job is not None:
+            self._unsubscribe = job.subscribe(self._on_event)  # replays what came before
+        self._throttle.request()
+
+    @classmethod
+    def from_events_dir(
+        cls,
+        path: str | os.PathLike,
+        plan: ResolvedPlan | None = None,
+        *,
+        poll_seconds: float = 0.2,
+        label: str = "torchrun",
+        **kwargs: Any,
+    ) -> LoadMonitor:
+        """Follow the `rank*.jsonl` files a torchrun job writes (`load_sharded(...,
+        events_dir=path)`) from a background thread until every rank is done or fails. With
+        the job's `plan`, byte totals and final shards are drawn from the start; the forecast
+        peaks (and without a plan, the shards) appear with each rank's result."""
+        monitor = cls(None, plan=plan, label=label, **kwargs)
+        tail = JsonlTail(path)
+
+        def follow() -> None:
+            while not (monitor._finished.is_set() or monitor._stop.is_set()):
+                try:
+                    events = tail.read_new()
+                except (OSError, ValueError) as e:
+                    monitor.status.value = f"cannot read events from {escape(str(path))}: {e}"
+                    return
+                if events:
+                    monitor.feed(events)
+                monitor._stop.wait(poll_seconds)
+
+        threading.Thread(target=follow, name="tpviz-events-tail", daemon=True).start()
+        return monitor
+
+    # --- public -----------------------------------------------------------------------------
+
+    def feed(self, events: list[Event]) -> None:
+        """Queue events for the next redraw (a job's events are fed by its subscription)."""
+        with self._lock:
+            self._pending.extend(events)
+        self._throttle.request()
+
+    def cancel(self) -> None:
+        """Cancel the job: every rank is ended."""
+        if self.job is not None:
+            self.job.cancel()
+        self._throttle.request()
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the load has finished and its summary is drawn; the load result, or the
+        job's error raised."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the load is still running after {timeout} s")
+        if self.job is not None and self.job.error is not None:
+            raise self.job.error
+        if self.result is None:
+            raise LoadError(f"the load ended without a result: {self._error()}")
+        return self.result
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def on_finish(self, callback: Callable[[LoadMonitor], None]) -> None:
+        """Call `callback(monitor)` once the load has finished (at once if it has)."""
+        with self._lock:
+            done = self._finished.is_set()
+            if not done:
+                self._finish_callbacks.append(callback)
+        if done:
+            callback(self)
+
+    def summary_view(self) -> widgets.HTML:
+        """The summary table as its own widget, to show it again in a later cell."""
+        return widgets.HTML(_CSS + self.summary.value)
+
+    def stop(self) -> None:
+        """Stop following: no more redraws from the job or the event files."""
+        self._stop.set()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def close(self) -> None:
+        self.stop()
+        super().close()
+
+    def to_html(self) -> str:
+        """The monitor as a self-contained HTML page (plotly.js inline, opens offline)."""
+        parts = plan_parts(self.plan) if self.plan is not None else []
+        parts += load_parts(self.result, self.run, self.chart.measure.value)
+        return html_page(f"tpviz load: {self.label}", parts)
+
+    # --- events and redraws -----------------------------------------------------------------
+
+    def _on_event(self, event: Event) -> None:
+        with self._lock:
+            self._pending.append(event)
+        self._throttle.request()
+
+    def _refresh(self) -> None:
+        with self._lock:
+            events, self._pending = self._pending, []
+        with self.chart.lock:
+            self.run.series.add(events)
+        for event in events:
+            self._track(event)
+        self.updates += 1
+        self.chart.draw(self.run)
+        self._draw_progress()
+        state = self._state()
+        self._draw_status(state)
+        if state in FINISHED and not self._finished.is_set():
+            self._finish(state)
+
+    def _track(self, event: Event) -> None:
+        if event.rank < 0:
+            return  # the launcher's state changes: read from the job itself
+        rank = self._ranks.setdefault(event.rank, _Rank())
+        if isinstance(event, Phase):
+            rank.phase = event.name
+        elif isinstance(event, UnitStart):
+            rank.module, rank.units_total = event.module, event.total
+        elif isinstance(event, UnitDone):
+            rank.units_done, rank.units_total = event.index + 1, event.total
+            rank.bytes_done += event.bytes
+        elif isinstance(event, Error):
+            rank.error = event.message
+        elif isinstance(event, Done):
+            rank.result = event.result
+            # without a job, the rank's result is where its forecasts come from
+            self.run.shard_bytes.setdefault(event.rank, event.result["planned_bytes"])
+            self.run.peak_bytes.setdefault(event.rank, event.result["forecast_peak_bytes"])
+
+    def _state(self) -> str:
+        if self.job is not None:
+            return self.job.state
+        ranks = self._ranks.values()
+        if any(r.error for r in ranks):
+            return "failed"
+        if ranks and all(r.result is not None for r in ranks):
+            return "loaded"
+        return "starting"
+
+    def _error(self) -> str:
+        if self.job is not None and self.job.error is not None:
+            return str(self.job.error)
+        return next((f"rank {r}: {x.error}" for r, x in self._ranks.items() if x.error), "")
+
+    def _draw_progress(self) -> None:
+        failed = self._state() in ("failed", "cancelled")
+        for r in sorted(self._ranks):
+            rank = self._ranks[r]
+            if r not in self._bars:
+                bar = widgets.FloatProgress(min=0.0, max=1.0, layout={"width": "320px"})
+                text = widgets.HTML()
+                self._bars[r] = (bar, text)
+                self.progress.children = [*self.progress.children, widgets.HBox([bar, text])]
+            bar, text = self._bars[r]
+            if rank.bytes_total:
+                value, top = rank.bytes_done, rank.bytes_total
+                amount = f"{human_bytes(rank.bytes_done)} / {human_bytes(rank.bytes_total)}"
+            else:
+                value, top = rank.units_done, rank.units_total or 1
+                amount = f"{human_bytes(rank.bytes_done)}"
+            loaded = rank.result is not None or rank.phase in ("checking", "loaded")
+            with bar.hold_sync():
+                bar.max = float(top)
+                bar.value = float(min(value, top))
+                bar.bar_style = "danger" if failed else "success" if loaded else "info"
+            where = f" · {escape(rank.module)}" if rank.module and not loaded else ""
+            text.value = (
+                f"rank {r}: {amount} · {rank.units_done}/{rank.units_total} modules · "
+                f"{escape(rank.phase)}{where}"
+            )
+
+    def _draw_status(self, state: str) -> None:
+        job = self.job
+        seconds = time.time() - self._started
+        if state == "failed":
+            text = f"failed: {self._error()}"
+        elif state == "cancelled":
+            text = "cancelled: every rank was ended"
+        elif self.result is not None or (job is not None and job.result and state in FINISHED):
+            result = self.result or job.result
+            text = "loaded: " + figures.headline(result)
+            if state in ("closing", "closed"):
+                text += f" (job {state})"
+        elif state == "verifying":
+            text = "verifying the sharded model against a single-process reference ..."
+        else:
+            phases = ", ".join(f"rank {r} {self._ranks[r].phase}" for r in sorted(self._ranks))
+            text = f"{self.label}: {phases or 'waiting for ranks'} ({seconds:.1f} s)"
+        self.status.value = f'<div class="tpviz-status {state}">{escape(text)}</div>'
+
+    def _finish(self, state: str) -> None:
+        if self.job is not None:
+            self.result = self.job.result
+        elif state == "loaded":
+            entries = [self._ranks[r].result for r in sorted(self._ranks)]
+            self.result = {
+                "strategy": self.label,
+                "load_seconds": max(e["load_seconds"] for e in entries),
+                "ranks": entries,
+            }
+        if self.result is not None and state not in ("failed", "cancelled"):
+            self.summary.value = summary_html(self.result)
+        self.cancel_button.disabled = True
+        self._draw_status(state)
+        with self._lock:
+            callbacks, self._finish_callbacks = self._finish_callbacks, []
+            self._finished.set()
+        for callback in callbacks:
+            callback(self)
+
+
+def summary_html(result: dict[str, Any]) -> str:
+    """The per-rank summary table of a load, its headline and its verification result."""
+    headers, rows = figures.summary_rows(result)
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    lines = [f"<b>{escape(figures.headline(result))}</b>"]
+    if text := figures.verify_text(result):
+        lines.append(escape(text))
+    lines.append("peak RSS growth counts mmap'd checkpoint pages too")
+    return (
+        f'<div>{"<br>".join(lines)}</div><table class="tpviz-summary"><tr>{head}</tr>{body}</table>'
+    )
