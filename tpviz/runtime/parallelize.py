@@ -1,32 +1,23 @@
 """Plan styles -> DTensor placements and forward hooks, and installing real shards.
 
-The skeleton is distributed while still on meta (`distribute_tensor(..., src_data_rank=None)`
-moves no data), which gives every tensor of a styled module its DTensor placement; loading
-then swaps each meta local tensor for the real one. Forward hooks (via `distribute_module`)
-annotate inputs and redistribute outputs as the style says. Inputs that arrive sharded are
-annotated with their true global size, so uneven splits (torch.chunk semantics) work where
-torch's stock styles would assume equal shards. Packed and replicated tensors stay plain
-local tensors: a packed module's forward is an ordinary matmul on the rank's own blocks.
+The meta skeleton gets forward hooks only: they annotate a module's input and redistribute
+its output as its style says. Each real shard is wrapped as a DTensor (`DTensor.from_local`
+with the plan's placement and global shape) when it is installed, so nothing is ever built on
+meta but the skeleton. Inputs that arrive sharded are annotated with their true global size,
+so uneven splits (torch.chunk semantics) work where torch's stock styles assume equal
+shards. Packed and replicated tensors stay plain local tensors: a packed module's forward is
+an ordinary matmul on the rank's own blocks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import (
-    DTensor,
-    Placement,
-    Replicate,
-    Shard,
-    distribute_module,
-    distribute_tensor,
-)
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from .. import styles
 from ..plan import ResolvedPlan, TensorPlan
 
 
@@ -44,19 +35,6 @@ LAYOUTS: dict[str, Layouts] = {
     "rowwise_split_input": Layouts(Replicate(), Shard(-1), Replicate()),
     "embedding_rowwise": Layouts(Replicate(), Replicate(), Replicate()),
 }
-
-
-def _partition(style: styles.Style, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-    if name:  # only the styled module itself
-        return
-    for leaf, param in list(module._parameters.items()):
-        if param is None:
-            continue
-        dim = style.placement_dim(leaf)
-        placement = Replicate() if dim is None else Shard(dim)
-        module._parameters[leaf] = nn.Parameter(
-            distribute_tensor(param, mesh, [placement], src_data_rank=None), requires_grad=False
-        )
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -88,18 +66,23 @@ def _prepare_output(layouts: Layouts, module: nn.Module, output: DTensor, mesh: 
 
 
 def apply_styles(model: nn.Module, plan: ResolvedPlan, mesh: DeviceMesh) -> None:
-    """Give the (meta) model its placements and forward hooks, module by module."""
+    """Install the forward hooks of every module whose style redistributes activations."""
     for name, style_name in plan.module_styles.items():
         layouts = LAYOUTS.get(style_name)
         if layouts is None:
             continue  # packed / replicated: plain tensors, no hooks
-        distribute_module(
-            model.get_submodule(name),
-            mesh,
-            partial(_partition, styles.STYLES[style_name]),
-            partial(_prepare_input, layouts),
-            partial(_prepare_output, layouts),
+        module = model.get_submodule(name)
+        module.register_forward_pre_hook(
+            lambda mod, inputs, layouts=layouts: _prepare_input(layouts, mod, inputs, mesh)
         )
+        module.register_forward_hook(
+            lambda mod, inputs, output, layouts=layouts: _prepare_output(layouts, mod, output, mesh)
+        )
+
+
+def is_distributed(plan: ResolvedPlan, entry: TensorPlan) -> bool:
+    """Whether `entry` is held as a DTensor: every tensor of a module with hooks is."""
+    return plan.module_styles.get(entry.module) in LAYOUTS
 
 
 def owner_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -108,25 +91,28 @@ def owner_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return model.get_submodule(module), leaf
 
 
-def install(model: nn.Module, entry: TensorPlan, local: torch.Tensor) -> torch.Tensor:
+def install(
+    model: nn.Module, entry: TensorPlan, local: torch.Tensor, mesh: DeviceMesh | None
+) -> torch.Tensor:
     """Put this rank's real `local` tensor in place of the meta one, for `entry` and the names
-    tied to it (one storage)."""
+    tied to it (one storage). With a mesh it is wrapped as a DTensor with the plan's
+    placement (see `is_distributed`)."""
     owner, leaf = owner_of(model, entry.name)
     if entry.kind == "buffer":
         owner._buffers[leaf] = local
         return local
-    current = owner._parameters[leaf]
-    if isinstance(current, DTensor):
+    value = local
+    if mesh is not None:
+        dim = entry.shard_dim
+        shape = tuple(entry.global_shape)
         value = DTensor.from_local(
             local,
-            current.device_mesh,
-            current.placements,
+            mesh,
+            [Replicate() if dim is None else Shard(dim)],
             run_check=False,
-            shape=current.shape,
-            stride=current.stride(),
+            shape=shape,
+            stride=_contiguous_stride(shape),
         )
-    else:
-        value = local
     param = nn.Parameter(value, requires_grad=False)
     owner._parameters[leaf] = param
     for alias in entry.tied_to:

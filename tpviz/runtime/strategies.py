@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError, TensorInfo, torch_dtype
 from ..events import UnitDone, UnitStart
@@ -32,7 +33,7 @@ from ..models import ModelAdapter, build_skeleton
 from ..plan import Ledger, ResolvedPlan, TensorPlan, needs_staging, sends_a_view
 from ..profiling import COLLECTIVE, COPY, READ, UNIT_PREFIX, no_span
 from .memory import prefault
-from .parallelize import install, local_of, owner_of
+from .parallelize import install, is_distributed, local_of, owner_of
 
 
 class LoadFailure(RuntimeError):
@@ -61,6 +62,7 @@ class LoadContext:
     ledger: Ledger
     emit: Any  # Callable[[Event], None]
     sample: Any  # Callable[[], object]: a memory sample at unit boundaries
+    mesh: DeviceMesh | None = None
     checkpoint: Checkpoint | None = None
     reader: BlockReader | None = None
     seed: int = 0
@@ -84,6 +86,10 @@ class LoadContext:
 
     def release(self, tensor: torch.Tensor) -> None:
         self.ledger.free(tensor.numel() * tensor.element_size())
+
+    def install(self, t: TensorPlan, local: torch.Tensor) -> torch.Tensor:
+        mesh = self.mesh if is_distributed(self.plan, t) else None
+        return install(self.model, t, local, mesh)
 
     # --- collectives ------------------------------------------------------------------------
 
@@ -234,7 +240,7 @@ def load_sliced(ctx: LoadContext) -> None:
                         region.copy_(buf)
                     ctx.release(buf)
                     del buf
-                install(ctx.model, t, local)
+                ctx.install(t, local)
 
 
 def init_sliced(ctx: LoadContext) -> None:
@@ -245,9 +251,7 @@ def init_sliced(ctx: LoadContext) -> None:
     """
     for index, total, module, tensors in ctx.units():
         with ctx.unit(index, total, module, tensors):
-            params = [
-                install(ctx.model, t, ctx.empty(t.ranks[ctx.rank].shape, t.dtype)) for t in tensors
-            ]
+            params = [ctx.install(t, ctx.empty(t.ranks[ctx.rank].shape, t.dtype)) for t in tensors]
             sharded = any(t.shard_dim is not None for t in tensors)
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 # on CPU, DTensor random ops run locally on the seeded default generator,
@@ -280,7 +284,7 @@ def load_rank0_broadcast(ctx: LoadContext, reference: FullModel | None = None) -
                         ctx.broadcast(local)
                     elif local.numel():
                         ctx.recv(local, 0)
-                    install(ctx.model, t, local)
+                    ctx.install(t, local)
                 continue
             if reference is not None:
                 fulls = reference.materialize(ctx, module, tensors)
@@ -302,7 +306,7 @@ def load_rank0_broadcast(ctx: LoadContext, reference: FullModel | None = None) -
                         ctx.send(part, r)
                         ctx.release(part)
                         del part
-                install(ctx.model, t, local)
+                ctx.install(t, local)
             for full in fulls:
                 ctx.release(full)
             if reference is not None:
@@ -331,7 +335,7 @@ def load_replicated(ctx: LoadContext, reference: FullModel | None = None) -> Non
             continue
         full = fulls.pop(t.name)
         local = ctx.fill_part(ctx.empty(t.ranks[ctx.rank].shape, t.dtype), full, t, ctx.rank)
-        install(ctx.model, t, local)
+        ctx.install(t, local)
         ctx.release(full)
         del full
     if reference is not None:
