@@ -7,8 +7,9 @@ medians of: load seconds, peak RSS growth, peak tensor bytes (the loader's own a
 bytes sent/received, with ratios to sliced. Then:
 
 - sliced read throughput per rank (its shard bytes / its load seconds) as a fraction of the
-  copy bandwidth of this machine: a single-threaded `copy_` of the same number of bytes between
-  two tensors that own their memory, best of 5, two processes at once (as the ranks run);
+  copy bandwidth of this machine: a single-threaded `copy_` of the same number of bytes
+  between two tensors that own their memory, best of 5, as many processes at once as ranks;
+  both into memory already touched and into fresh tensors (which any loader must fault in);
 - the check that each sliced rank's peak tensor bytes stay within its final shard plus the
   largest single slice it reads;
 - what profiling off costs: the no-op span calls of one load, timed.
@@ -36,16 +37,21 @@ STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
 
 
 def copy_bandwidth(nbytes: int, queue) -> None:
+    """Bytes/s of copying `nbytes` into memory already touched, and into fresh memory (which
+    the kernel must fault in and zero first, as for any loader's new tensors)."""
     torch.set_num_threads(1)
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch both
-    best = min(timeit.repeat(lambda: dst.copy_(src), number=1, repeat=5))
-    queue.put(nbytes / best)
+    warm = min(timeit.repeat(lambda: dst.copy_(src), number=1, repeat=5))
+    dst = None  # free it before the fresh copies
+    fresh = min(timeit.repeat(lambda: torch.empty_like(src).copy_(src), number=1, repeat=5))
+    queue.put((nbytes / warm, nbytes / fresh))
 
 
-def machine_copy_bandwidth(nbytes: int, processes: int) -> float:
-    """Bytes/s one process copies while `processes` copy at once (as the ranks read)."""
+def machine_copy_bandwidth(nbytes: int, processes: int) -> tuple[float, float]:
+    """(warm, fresh) bytes/s one process copies while `processes` copy at once (as the
+    ranks read)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=copy_bandwidth, args=(nbytes, queue)) for _ in range(processes)]
@@ -54,7 +60,7 @@ def machine_copy_bandwidth(nbytes: int, processes: int) -> float:
     rates = [queue.get() for _ in procs]
     for p in procs:
         p.join()
-    return median(rates)
+    return median(r[0] for r in rates), median(r[1] for r in rates)
 
 
 def main() -> None:
@@ -99,16 +105,17 @@ def main() -> None:
             )
 
     shard = max(plan.per_rank_bytes)
-    copy = machine_copy_bandwidth(shard, w)
+    warm, fresh = machine_copy_bandwidth(shard, w)
     print(
-        f"\ncopy bandwidth of this machine: {copy / 1e9:.2f} GB/s per process "
-        f"({w} processes copying {gib(shard)} each at once, single-threaded)"
+        f"\ncopy bandwidth of this machine, {w} processes copying {gib(shard)} each at once "
+        f"(single-threaded): {warm / 1e9:.2f} GB/s per process between tensors already "
+        f"touched, {fresh / 1e9:.2f} GB/s into freshly allocated tensors"
     )
     for rank in range(w):
         read = plan.per_rank_bytes[rank] / med("sliced", rank, "seconds")
         print(
-            f"  sliced rank {rank} reads {read / 1e9:.2f} GB/s = {read / copy:.0%} of the copy "
-            "bandwidth (page cache warm)"
+            f"  sliced rank {rank} reads {read / 1e9:.2f} GB/s (page cache warm) = "
+            f"{read / warm:.0%} of the warm copy, {read / fresh:.0%} of the fresh copy"
         )
 
     print("\nsliced peak tensor bytes against final shard + largest slice:")
