@@ -716,6 +716,10 @@ class Ledger:
     def free(self, nbytes: int) -> None:
         self.current -= nbytes
 
+    def spike(self, nbytes: int) -> None:
+        """A buffer allocated and freed again at once (a read's staging copy)."""
+        self.peak = max(self.peak, self.current + nbytes)
+
 
 def needs_staging(t: TensorPlan, device: str, init: str) -> bool:
     """Whether reading `t` goes through a CPU buffer before its final place."""
@@ -738,53 +742,49 @@ def sends_a_view(t: TensorPlan, rank: int, device: str) -> bool:
 def forecast(
     plan: ResolvedPlan, strategy: str, device: str = "cpu", init: str = "checkpoint"
 ) -> Forecast:
-    """Replay `strategy`'s allocations (see tpviz/runtime/strategies.py) for every rank."""
+    """Replay `strategy`'s allocations (see tpviz/runtime/strategies.py) on one ledger per
+    rank. The loops go tensor by tensor, visiting every rank's shard of a tensor together:
+    the order within each rank is the loader's, and a large plan is walked once."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
     w = plan.world_size
-    computed = [
-        sum(t.ranks[r].bytes for t in plan.params if t.origin == "computed") for r in range(w)
-    ]
-    loaded = [t for t in plan.params if t.origin == "checkpoint"]
-    peaks, sent, received = [], [0] * w, [0] * w
-    for rank in range(w):
-        ledger = Ledger()
-        ledger.alloc(computed[rank])
-        if strategy == "sliced":
-            for t in loaded:
-                ledger.alloc(t.ranks[rank].bytes)
-                if needs_staging(t, device, init):
-                    for b in t.ranks[rank].blocks:
-                        staging = t.source_nbytes(math.prod(b.shape))
-                        ledger.alloc(staging)
-                        ledger.free(staging)
-        elif strategy == "replicated":
-            full = [_full_bytes(t, init) for t in loaded]
-            for nbytes in full:
-                ledger.alloc(nbytes)
-            for t, nbytes in zip(loaded, full):
-                ledger.alloc(t.ranks[rank].bytes)
-                ledger.free(nbytes)
-        else:  # rank0_broadcast
-            for _, unit in plan.units():
-                if rank != 0:
-                    for t in unit:
-                        ledger.alloc(t.ranks[rank].bytes)
-                    continue
-                full = [_full_bytes(t, init) for t in unit]
-                for nbytes in full:
-                    ledger.alloc(nbytes)
-                for t in unit:
-                    ledger.alloc(t.ranks[0].bytes)
-                    if t.shard_dim is not None:
-                        for r in range(1, w):
-                            if not sends_a_view(t, r, device):
-                                ledger.alloc(t.ranks[r].bytes)
-                                ledger.free(t.ranks[r].bytes)
-                for nbytes in full:
-                    ledger.free(nbytes)
-        peaks.append(ledger.peak)
-    for _, unit in plan.units():
+    ledgers = [Ledger() for _ in range(w)]
+    for t in plan.params:
+        if t.origin == "computed":  # made with the skeleton, before loading
+            for ledger, shard in zip(ledgers, t.ranks):
+                ledger.alloc(shard.bytes)
+    units = plan.units()
+    if strategy == "sliced":
+        for _, unit in units:
+            for t in unit:
+                staged = needs_staging(t, device, init)
+                for ledger, shard in zip(ledgers, t.ranks):
+                    ledger.alloc(shard.bytes)
+                    for b in shard.blocks if staged else ():
+                        ledger.spike(t.source_nbytes(math.prod(b.shape)))
+    elif strategy == "replicated":
+        loaded = [t for _, unit in units for t in unit]
+        whole = sum(_full_bytes(t, init) for t in loaded)
+        for ledger in ledgers:
+            ledger.alloc(whole)
+        for t in loaded:
+            for ledger, shard in zip(ledgers, t.ranks):
+                ledger.alloc(shard.bytes)
+                ledger.free(_full_bytes(t, init))
+    else:  # rank0_broadcast: rank 0 holds a unit's full tensors while it sends the parts
+        rank0 = ledgers[0]
+        for _, unit in units:
+            full = sum(_full_bytes(t, init) for t in unit)
+            rank0.alloc(full)
+            for t in unit:
+                rank0.alloc(t.ranks[0].bytes)
+                for r in range(1, w):
+                    ledgers[r].alloc(t.ranks[r].bytes)
+                    if t.shard_dim is not None and not sends_a_view(t, r, device):
+                        rank0.spike(t.ranks[r].bytes)
+            rank0.free(full)
+    sent, received = [0] * w, [0] * w
+    for _, unit in units:
         # rank 0 sends every other rank its part; a sliced random init broadcasts only the
         # replicated tensors of units that also hold a sharded one (see init_sliced)
         mixed = any(t.shard_dim is not None for t in unit)
@@ -795,7 +795,7 @@ def forecast(
                 for r in range(1, w):
                     sent[0] += t.ranks[r].bytes
                     received[r] += t.ranks[r].bytes
-    return Forecast(peaks, sent, received)
+    return Forecast([ledger.peak for ledger in ledgers], sent, received)
 
 
 def _full_bytes(t: TensorPlan, init: str) -> int:
