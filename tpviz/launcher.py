@@ -9,7 +9,6 @@ second, and ranks notice a dead launcher on their own (see runtime/worker.py).
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
 import os
 import shutil
 import tempfile
@@ -23,6 +22,7 @@ from typing import Any
 
 import psutil
 import torch
+import torch.multiprocessing as mp
 
 from .events import Done, Error, Event, Phase, UnitDone, UnitStart
 from .models import get_adapter, prompt_ids, read_config

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError, TensorInfo, torch_dtype
-from ..events import UnitDone, UnitStart
+from ..events import Event, UnitDone, UnitStart
 from ..models import ModelAdapter, build_skeleton
 from ..plan import Ledger, ResolvedPlan, TensorPlan, needs_staging, sends_a_view
 from ..profiling import COLLECTIVE, COPY, READ, UNIT_PREFIX, no_span
@@ -60,8 +60,8 @@ class LoadContext:
     device: torch.device
     comm_device: torch.device  # where collectives need their tensors (cpu for gloo)
     ledger: Ledger
-    emit: Any  # Callable[[Event], None]
-    sample: Any  # Callable[[], object]: a memory sample at unit boundaries
+    emit: Callable[[Event], None]
+    sample: Callable[[], object]  # a memory sample at unit boundaries
     mesh: DeviceMesh | None = None
     checkpoint: Checkpoint | None = None
     reader: BlockReader | None = None
