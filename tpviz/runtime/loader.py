@@ -112,7 +112,8 @@ def load_in_group(
     config = read_config(plan.source)
     ctx = _prepare(plan, config, rank, device, sink.emit)
     ctx.seed = options.seed + options.seed_skew.get(rank, 0)
-    if options.init == "checkpoint":
+    # in rank0_broadcast only rank 0 reads: the others may not even see the files
+    if options.init == "checkpoint" and (options.strategy != "rank0_broadcast" or rank == 0):
         ctx.checkpoint = _open_checkpoint(plan)
         ctx.reader = BlockReader()
     sampler = MemorySampler(
@@ -346,16 +347,31 @@ def load_sharded(
     """Load a model tensor-parallel inside the caller's process group (e.g. under torchrun).
 
     Initialises the default process group from the environment if needed (gloo on CPU, nccl
-    on CUDA). With `events_dir`, each rank writes its events to `rank{r}.jsonl` there.
+    on CUDA). Rank 0 resolves the plan and sends it to the others, so every rank executes the
+    same plan; the other ranks need only `config.json` (and, except for rank0_broadcast, the
+    weights). With `events_dir`, each rank writes its events to `rank{r}.jsonl` there.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    world = dist.get_world_size()
-    resolved = resolve_plan(source, world, plan, dtype=dtype, model=model)
+    resolved = _resolve_on_rank0(source, plan, dtype, model)
     options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
     sink = EventSink(dist.get_rank(), events_dir=events_dir)
     try:
         return load_in_group(resolved, options, sink, rank_device(device))
     finally:
         sink.close()
+
+
+def _resolve_on_rank0(source, plan, dtype, model) -> ResolvedPlan:
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [resolve_plan(source, dist.get_world_size(), plan, dtype=dtype, model=model)]
+        except Exception as e:
+            dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise RuntimeError(f"rank 0 could not resolve the plan: {box[0]}")
+    return box[0]

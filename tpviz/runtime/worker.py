@@ -103,6 +103,7 @@ def run_rank(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         finally:
             os._exit(1)
     sink.close()
+    dist.barrier()  # no rank tears its group down while a peer still uses it
     dist.destroy_process_group()
 
 
