@@ -187,19 +187,12 @@ def _launch_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def _check_errors(plan) -> None:
-    if plan.errors:
-        from .plan import PlanError
-
-        raise PlanError(plan.errors)
-
-
 def cmd_load(args: argparse.Namespace) -> int:
     from .launcher import launch
     from .report import load_table
 
     plan = _resolve(args)
-    _check_errors(plan)
+    plan.raise_for_errors()
     with launch(
         args.source, args.world_size, plan, strategy=args.strategy, **_launch_kwargs(args)
     ) as job:
@@ -221,7 +214,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .report import compare_table, load_table
 
     plan = _resolve(args)
-    _check_errors(plan)
+    plan.raise_for_errors()
     events: list = []
 
     def follow(job) -> dict[str, Any]:
@@ -247,7 +240,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"making the {args.preset} demo checkpoint in {cache_dir()} ...", file=sys.stderr)
     source = demo_checkpoint(args.preset)
     plan = resolve_plan(source, args.world_size)
-    _check_errors(plan)
+    plan.raise_for_errors()
     if not args.json:
         print(f"plan for {source}:\n{plan_table(plan)}\n")
     with launch(source, args.world_size, plan, verify=True) as job:

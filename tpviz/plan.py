@@ -133,9 +133,7 @@ class ResolvedPlan:
             raise PlanError(self.errors)
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.pop("_by_name", None)
-        return data
+        return asdict(self)
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent)

@@ -39,8 +39,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence
     return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
 
 
-def _shape(shape: list[int]) -> str:
-    return "x".join(map(str, shape)) if shape else "scalar"
+def shape_text(shape) -> str:
+    return "×".join(map(str, shape)) if len(shape) else "scalar"
 
 
 def plan_table(plan: ResolvedPlan, full: bool = False) -> str:
@@ -72,9 +72,7 @@ def plan_table(plan: ResolvedPlan, full: bool = False) -> str:
             if len(per_rank) == 1
             else " / ".join(human_bytes(r.bytes) for r in t.ranks)
         )
-        rows.append(
-            [label, style, _shape(list(shape)), *(_shape(list(s)) for s in shards), rank_bytes]
-        )
+        rows.append([label, style, shape_text(shape), *(shape_text(s) for s in shards), rank_bytes])
     totals = " | ".join(f"rank {r}: {human_bytes(b)}" for r, b in enumerate(plan.per_rank_bytes))
     out = [
         table(headers, rows),

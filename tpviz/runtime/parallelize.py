@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from ..checkpoint import dtype_name
 from ..plan import ResolvedPlan, TensorPlan
 
 
@@ -157,7 +158,7 @@ def shard_report(model: nn.Module, plan: ResolvedPlan, rank: int) -> list[dict]:
             {
                 "name": entry.name,
                 "shape": list(local.shape),
-                "dtype": str(local.dtype).removeprefix("torch."),
+                "dtype": dtype_name(local.dtype),
                 "device": str(local.device),
                 "placement": placement,
                 "bytes": local.numel() * local.element_size(),
@@ -166,7 +167,7 @@ def shard_report(model: nn.Module, plan: ResolvedPlan, rank: int) -> list[dict]:
                 "matches": (
                     list(local.shape) == planned.shape
                     and placement_ok
-                    and str(local.dtype).removeprefix("torch.") == entry.dtype
+                    and dtype_name(local.dtype) == entry.dtype
                     and local.device.type != "meta"
                 ),
             }

@@ -18,7 +18,7 @@ from plotly.colors import qualitative
 
 from ..events import Event, Memory, Phase
 from ..plan import Block, ResolvedPlan, TensorPlan, forecast
-from ..report import human_bytes
+from ..report import human_bytes, shape_text
 from ..styles import STYLES
 
 RANK_COLORS = qualitative.Plotly
@@ -78,10 +78,6 @@ def titled(title: str, note: str) -> dict[str, str]:
 
 def default_measure(device: str) -> str:
     return "cuda_allocated" if device == "cuda" else "rss_growth"
-
-
-def shape_text(shape: Sequence[int]) -> str:
-    return "×".join(map(str, shape)) if len(shape) else "scalar"
 
 
 def layer_of(name: str) -> str | None:
