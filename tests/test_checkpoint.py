@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
@@ -146,3 +147,57 @@ def test_reading_never_opens_for_writing(tiny):
         for info in ckpt.tensors.values():
             reader.read_full(info)
     assert {f: f.stat().st_mtime_ns for f in tiny.iterdir()} == before
+
+
+def _counting_preadv(monkeypatch, limit: int | None = None) -> list[int]:
+    """Count os.preadv calls; with `limit`, each call reads at most that many bytes, as a
+    filesystem may (short reads)."""
+    calls: list[int] = []
+    real = os.preadv
+
+    def preadv(fd, buffers, position):
+        if limit is not None:
+            kept, room = [], limit
+            for b in buffers:
+                if room <= 0:
+                    break
+                kept.append(memoryview(b)[:room])
+                room -= len(kept[-1])
+            buffers = kept
+        calls.append(position)
+        return real(fd, buffers, position)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return calls
+
+
+def test_column_block_reads_in_few_calls(tmp_path, monkeypatch):
+    full = torch.randn(300, 256)
+    path = tmp_path / "t.safetensors"
+    save_file({"w": full}, path)
+    info = read_header(path)["w"]
+    calls = _counting_preadv(monkeypatch)
+    with BlockReader() as reader:
+        block = reader.read_block(info, (0, 128), (300, 128))  # 300 rows, 512-byte gaps
+        far = reader.read_block(info, (0, 0), (3, 1))  # 1020-byte gaps: still one call
+    assert torch.equal(block, full[:, 128:]) and torch.equal(far, full[:3, :1])
+    assert len(calls) == 1 + 1
+    big = torch.randn(4, 8192)  # 32 KiB rows: gaps too wide to read through
+    save_file({"w": big}, path)
+    info = read_header(path)["w"]
+    calls.clear()
+    with BlockReader() as reader:
+        assert torch.equal(reader.read_block(info, (0, 0), (4, 2)), big[:, :2])
+    assert len(calls) == 4
+
+
+@pytest.mark.parametrize("limit", [1, 100, 4096])
+def test_short_reads_are_resumed(tmp_path, monkeypatch, limit):
+    full = torch.randn(40, 64)
+    path = tmp_path / "t.safetensors"
+    save_file({"w": full}, path)
+    info = read_header(path)["w"]
+    _counting_preadv(monkeypatch, limit)
+    with BlockReader() as reader:
+        assert torch.equal(reader.read_block(info, (3, 10), (30, 20)), full[3:33, 10:30])
+        assert torch.equal(reader.read_full(info), full)

@@ -9,7 +9,6 @@ so no checkpoint pages stay resident in the reading process. Files are opened re
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import math
 import os
@@ -225,20 +224,28 @@ def contiguous_runs(
     while split > 0 and offset[split] == 0 and shape[split] == global_shape[split]:
         split -= 1
     strides = [math.prod(global_shape[d + 1 :]) for d in range(ndim)]
-    run = shape[split] * strides[split]
-    first = offset[split] * strides[split]
-    starts = [
-        first + sum((offset[d] + i) * strides[d] for d, i in enumerate(index))
-        for index in itertools.product(*(range(shape[d]) for d in range(split)))
-    ]
-    return run, starts
+    starts = [offset[split] * strides[split]]
+    for d in range(split):  # outer dims first, so the last one varies fastest
+        step, first = strides[d], offset[d] * strides[d]
+        starts = [s + first + i * step for s in starts for i in range(shape[d])]
+    return shape[split] * strides[split], starts
 
 
 class BlockReader:
-    """Reads blocks of tensors into caller-owned CPU tensors; keeps one read-only fd per file."""
+    """Reads blocks of tensors into caller-owned CPU tensors; keeps one read-only fd per file.
+
+    The runs of a block go to the kernel as few `preadv` calls as possible: runs separated in
+    the file by at most `MAX_GAP_BYTES` share one call, the gap landing in a small scratch
+    buffer that is then dropped (the kernel reads whole pages anyway). A column block of a
+    large matrix thus costs a few calls, not one per row.
+    """
+
+    MAX_GAP_BYTES = 8192  # above this, one more syscall costs less than copying the gap
 
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}
+        self._scratch = memoryview(bytearray(self.MAX_GAP_BYTES))
+        self._max_buffers = min(os.sysconf("SC_IOV_MAX"), 1024)
 
     def read_block(
         self,
@@ -267,12 +274,7 @@ class BlockReader:
             return out
         itemsize = out.element_size()
         view = memoryview(out.view(-1).view(torch.uint8).numpy())
-        fd = self._fd(info.file)
-        run_bytes = run * itemsize
-        for i, start in enumerate(starts):
-            self._pread(
-                fd, view[i * run_bytes : (i + 1) * run_bytes], info.start + start * itemsize, info
-            )
+        self._read_runs(info, view, run * itemsize, [info.start + s * itemsize for s in starts])
         return out
 
     def read_full(self, info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -284,10 +286,33 @@ class BlockReader:
             fd = self._fds[file] = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         return fd
 
+    def _read_runs(
+        self, info: TensorInfo, view: memoryview, run_bytes: int, positions: list[int]
+    ) -> None:
+        """Fill `view` with runs of `run_bytes` read from `positions` of `info.file`."""
+        fd, count, i = self._fd(info.file), len(positions), 0
+        while i < count:
+            first = positions[i]
+            end = first + run_bytes
+            buffers = [view[i * run_bytes : (i + 1) * run_bytes]]
+            i += 1
+            while i < count and len(buffers) < self._max_buffers - 1:
+                gap = positions[i] - end
+                if gap > self.MAX_GAP_BYTES:
+                    break
+                if gap:
+                    buffers.append(self._scratch[:gap])
+                buffers.append(view[i * run_bytes : (i + 1) * run_bytes])
+                end = positions[i] + run_bytes
+                i += 1
+            self._preadv(fd, buffers, first, end - first, info)
+
     @staticmethod
-    def _pread(fd: int, view: memoryview, position: int, info: TensorInfo) -> None:
-        while view:
-            n = os.preadv(fd, [view], position)
+    def _preadv(fd: int, buffers: list, position: int, nbytes: int, info: TensorInfo) -> None:
+        while True:
+            n = os.preadv(fd, buffers, position)
+            if n == nbytes:
+                return
             if n == 0:
                 raise CheckpointError(
                     f"{info.file}: truncated while reading tensor {info.name!r} at byte "
@@ -295,8 +320,10 @@ class BlockReader:
                     info.file,
                     info.name,
                 )
-            view = view[n:]
-            position += n
+            position, nbytes = position + n, nbytes - n
+            while n >= len(buffers[0]):  # a short read: go on after the bytes that came
+                n -= len(buffers.pop(0))
+            buffers[0] = buffers[0][n:]
 
     def close(self) -> None:
         for fd in self._fds.values():
