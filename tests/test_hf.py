@@ -179,3 +179,58 @@ def test_without_transformers_other_architectures_say_to_install_the_extra(hf_mo
         timeout=120,
     )
     assert builtin.returncode == 0, builtin.stderr  # the Llama family needs no transformers
+
+
+REMOTE_CONFIG_CODE = """from transformers import LlamaConfig
+
+
+class RemoteLlamaConfig(LlamaConfig):
+    model_type = "remote_llama"
+"""
+REMOTE_MODEL_CODE = """from transformers import LlamaForCausalLM
+
+from .configuration_remote_llama import RemoteLlamaConfig
+
+
+class RemoteLlamaForCausalLM(LlamaForCausalLM):
+    config_class = RemoteLlamaConfig
+"""
+
+
+def test_code_shipped_with_a_checkpoint_runs_only_when_asked(hf_models, tmp_path):
+    source = tmp_path / "remote"
+    source.mkdir()
+    for f in hf_models["llama"].iterdir():
+        (source / f.name).write_bytes(f.read_bytes())
+    (source / "configuration_remote_llama.py").write_text(REMOTE_CONFIG_CODE)
+    (source / "modeling_remote_llama.py").write_text(REMOTE_MODEL_CODE)
+    config = json.loads((source / "config.json").read_text())
+    config.update(
+        model_type="remote_llama",
+        architectures=["RemoteLlamaForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_remote_llama.RemoteLlamaConfig",
+            "AutoModelForCausalLM": "modeling_remote_llama.RemoteLlamaForCausalLM",
+        },
+    )
+    (source / "config.json").write_text(json.dumps(config))
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules")}
+    refused = run_cli("plan", str(source), "--world-size", "2", env=env)
+    assert refused.returncode == 2
+    assert "auto_map" in refused.stderr and "--model hf-remote-code" in refused.stderr
+    assert not (tmp_path / "modules").exists()  # nothing of the shipped code was imported
+    loaded = run_cli(
+        "load",
+        str(source),
+        "--world-size",
+        "2",
+        "--model",
+        "hf-remote-code",
+        "--verify",
+        "--json",
+        env=env,
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    result = json.loads(loaded.stdout)
+    assert result["plan_matches_shards"] and result["verify"]["ok"]
+    assert (tmp_path / "modules").exists()
