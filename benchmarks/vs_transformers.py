@@ -3,8 +3,11 @@
 Both run under torchrun on CPU with gloo, on the same checkpoint and world size, alternating
 runs (this machine is shared and noisy), and are measured the same way inside each rank
 (benchmarks/peer_rank.py): load seconds from the start of loading (after imports and process
-group setup) to a barrier when all ranks are done, and peak RSS growth above the resident set
-at that start (the kernel's high-water mark, reset there). Needs `pip install accelerate`.
+group setup) to a barrier when all ranks are done, having read every byte of every local
+tensor, and peak RSS growth above the resident set at that start (the kernel's high-water
+mark, reset there). A third run in each round, `floor`, only takes fresh memory for the bytes
+tpviz's plan gives each rank and copies them in from the checkpoint: the least any loader
+that owns its shards' memory must do on this machine. Needs `pip install -e '.[bench]'`.
 
     python benchmarks/vs_transformers.py [SOURCE] [--world-size 2] [--rounds 3]
 
@@ -24,6 +27,7 @@ import torch
 from common import gib, median, parse_args
 
 HERE = Path(__file__).resolve().parent
+LOADERS = ("transformers", "tpviz", "floor")
 
 
 def run(which: str, source: Path, world_size: int, out: Path) -> list[dict]:
@@ -49,6 +53,13 @@ def run(which: str, source: Path, world_size: int, out: Path) -> list[dict]:
     return json.loads(out.read_text())
 
 
+def ratio(a: list[float], b: list[float]) -> str:
+    """Round-by-round ratios (runs of one round are seconds apart, so they share the
+    machine's state): their median and range."""
+    each = [x / y for x, y in zip(a, b)]
+    return f"{median(each):.2f}x ({min(each):.2f}-{max(each):.2f})"
+
+
 def main() -> None:
     args, source = parse_args(__doc__.splitlines()[0])
     size = sum(f.stat().st_size for f in source.glob("*.safetensors"))
@@ -56,30 +67,38 @@ def main() -> None:
         f"{source} ({size / 1e6:.0f} MB), world size {args.world_size}, {os.cpu_count()} "
         f"CPU cores, {args.rounds} alternating rounds"
     )
-    runs: dict[str, list[list[dict]]] = {"transformers": [], "tpviz": []}
+    runs: dict[str, list[list[dict]]] = {w: [] for w in LOADERS}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
-            for which in ("transformers", "tpviz"):
+            order = LOADERS if i % 2 == 0 else LOADERS[::-1]
+            for which in order:
                 out = Path(tmp) / f"{which}-{i}.json"
                 runs[which].append(run(which, source, args.world_size, out))
                 print(
                     f"  round {i + 1} {which:12s} "
                     + "  ".join(
-                        f"rank {r['rank']}: {r['seconds']:.2f} s, +{gib(r['peak_rss_growth'])}"
+                        f"rank {r['rank']}: {r['seconds']:.3f} s, +{gib(r['peak_rss_growth'])} "
+                        f"(owned {gib(r['owned_growth'])}, mapped {gib(r['mapped_growth'])})"
                         for r in runs[which][-1]
                     ),
                     flush=True,
                 )
-        logits = {w: torch.load(Path(tmp) / f"{w}-0.json.logits.pt") for w in runs}
+        logits = {w: torch.load(Path(tmp) / f"{w}-0.json.logits.pt") for w in LOADERS[:2]}
     diff = (logits["tpviz"] - logits["transformers"]).abs().max().item()
-    print("\nmedians per rank (tpviz / transformers):")
+    print("\nmedians per rank (ratios: median of the rounds' own ratios, and their range):")
     for rank in range(args.world_size):
-        t = {w: median(r[rank]["seconds"] for r in runs[w]) for w in runs}
+        t = {w: [r[rank]["seconds"] for r in runs[w]] for w in runs}
         m = {w: median(r[rank]["peak_rss_growth"] for r in runs[w]) for w in runs}
         print(
-            f"  rank {rank}: load {t['tpviz']:.2f} s vs {t['transformers']:.2f} s = "
-            f"{t['tpviz'] / t['transformers']:.2f}x (target <= 0.7x);  peak RSS growth "
-            f"{gib(m['tpviz'])} vs {gib(m['transformers'])} = "
+            f"  rank {rank}: load tpviz {median(t['tpviz']):.3f} s, transformers "
+            f"{median(t['transformers']):.3f} s, floor {median(t['floor']):.3f} s;  "
+            f"tpviz / transformers {ratio(t['tpviz'], t['transformers'])} (target <= 0.7x), "
+            f"floor / transformers {ratio(t['floor'], t['transformers'])}, "
+            f"tpviz / floor {ratio(t['tpviz'], t['floor'])}"
+        )
+        print(
+            f"          peak RSS growth tpviz {gib(m['tpviz'])}, transformers "
+            f"{gib(m['transformers'])}, floor {gib(m['floor'])};  tpviz / transformers "
             f"{m['tpviz'] / m['transformers']:.2f}x (target <= 1.1x)"
         )
     print(
