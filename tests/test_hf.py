@@ -36,6 +36,14 @@ CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(
         **{**COMMON, "num_key_value_heads": 8}, pad_token_id=0
     ),  # fused qkv and gate_up
+    "minicpm3": lambda: transformers.MiniCPM3Config(
+        **{**COMMON, "num_key_value_heads": 8},
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+    ),  # multi-head latent attention: mla_kv_a_proj
 }
 
 
@@ -75,9 +83,28 @@ def test_qwen2_is_tied_and_phi3_is_fused(hf_models):
     )
 
 
+def test_latent_attention_keeps_its_kv_down_projection_whole_and_its_heads_aligned(hf_models):
+    plan = tpviz.resolve_plan(hf_models["minicpm3"], 2)
+    assert plan.model == "hf" and not plan.errors
+    kv_a = plan.tensor("model.layers.0.self_attn.kv_a_proj_with_mqa.weight")
+    assert (kv_a.style, kv_a.placement) == ("mla_kv_a_proj", "replicate")
+    assert plan.tensor("model.layers.0.self_attn.kv_b_proj.weight").placement == "shard(0)"
+    (error,) = tpviz.resolve_plan(hf_models["minicpm3"], 3).errors  # 8 heads
+    assert error.code == "head_alignment" and "q_b_proj" in error.name
+    assert "world sizes that work: 1, 2, 4, 8" in error.message
+
+
 @pytest.mark.parametrize(
     "name, world_size",
-    [("llama", 2), ("qwen2", 2), ("mistral", 2), ("qwen3", 2), ("qwen3", 4), ("phi3", 2)],
+    [
+        ("llama", 2),
+        ("qwen2", 2),
+        ("mistral", 2),
+        ("qwen3", 2),
+        ("qwen3", 4),
+        ("phi3", 2),
+        ("minicpm3", 2),
+    ],
 )
 def test_logits_match_transformers(hf_models, name, world_size):
     source = hf_models[name]

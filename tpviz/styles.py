@@ -94,6 +94,14 @@ STYLES: dict[str, Style] = {
             summary="every rank holds the whole tensor (gradients all-reduced when training; "
             "nothing in inference)",
         ),
+        Style(
+            "mla_kv_a_proj",
+            None,
+            False,
+            (LINEAR,),
+            summary="multi-head latent attention's shared kv down-projection: replicated (its "
+            "rotary part's gradient is all-reduced when training; nothing in inference)",
+        ),
         Style("replicate", None, False, (ANY,), summary="every rank holds the whole tensor"),
     )
 }
@@ -113,7 +121,6 @@ UNSUPPORTED: frozenset[str] = frozenset(
         "packed_rowwise",
         "local_packed_rowwise",
         "sequence_parallel",
-        "mla_kv_a_proj",
         "all_reduce",
         "moe_tp_experts",
         "moe_identity_expert",

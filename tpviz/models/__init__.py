@@ -109,6 +109,9 @@ def attention_alignments(heads: int, kv_heads: int) -> list[Alignment]:
         Alignment("self_attn.k_proj", 0, kv_heads, "key-value heads"),
         Alignment("self_attn.v_proj", 0, kv_heads, "key-value heads"),
         Alignment("self_attn.o_proj", 1, heads, "attention heads"),
+        # multi-head latent attention (MiniCPM3, DeepSeek-V2): the up-projections hold heads
+        Alignment("self_attn.q_b_proj", 0, heads, "attention heads"),
+        Alignment("self_attn.kv_b_proj", 0, heads, "attention heads"),
     ]
 
 

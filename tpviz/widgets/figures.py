@@ -19,10 +19,19 @@ from plotly.colors import qualitative
 from ..events import Event, Memory, Phase
 from ..plan import Block, ResolvedPlan, TensorPlan, forecast
 from ..report import human_bytes, shape_text
-from ..styles import STYLES
+from ..styles import DEFAULT_STYLE, STYLES
 
 RANK_COLORS = qualitative.Plotly
-STYLE_COLORS = dict(zip(STYLES, qualitative.Set2, strict=True))
+# Set2 ends in grey: that stays the colour of `replicate`, the default style
+STYLE_COLORS = {
+    **dict(
+        zip(
+            [s for s in STYLES if s != DEFAULT_STYLE],
+            [*qualitative.Set2[:-1], *qualitative.Pastel1],
+        )
+    ),
+    DEFAULT_STYLE: qualitative.Set2[-1],
+}
 MAX_POINTS = 4000  # per memory line: bounds what each redraw sends to the browser
 
 # measure -> (label, what it counts)
@@ -67,7 +76,7 @@ def rank_color(index: int) -> str:
 
 
 def style_color(style: str) -> str:
-    return STYLE_COLORS.get(style, "#b3b3b3")
+    return STYLE_COLORS.get(style, STYLE_COLORS[DEFAULT_STYLE])
 
 
 def titled(title: str, note: str) -> dict[str, str]:
