@@ -44,6 +44,7 @@ CONFIGS = {
         qk_nope_head_dim=16,
         v_head_dim=16,
     ),  # multi-head latent attention: mla_kv_a_proj
+    "granite_swa": lambda: transformers.GraniteSWAConfig(**COMMON, pad_token_id=0),  # sinks
 }
 
 
@@ -56,7 +57,7 @@ def hf_models(tmp_path_factory):
         model = transformers.AutoModelForCausalLM.from_config(make())
         with torch.no_grad():  # norms away from one, so they matter
             for n, p in model.named_parameters():
-                if "norm" in n:
+                if "norm" in n or "sinks" in n:
                     p.add_(0.1 * torch.randn_like(p))
         model.save_pretrained(root / name)
         out[name] = root / name
@@ -94,6 +95,19 @@ def test_latent_attention_keeps_its_kv_down_projection_whole_and_its_heads_align
     assert "world sizes that work: 1, 2, 4, 8" in error.message
 
 
+def test_attention_sinks_are_sharded_by_head_and_used_as_local_tensors(hf_models):
+    plan = tpviz.resolve_plan(hf_models["granite_swa"], 4)
+    assert not plan.errors
+    assert plan.module_styles["model.layers.0.self_attn"] == "local_params"
+    sinks = plan.tensor("model.layers.0.self_attn.sinks")
+    assert (sinks.style, sinks.placement) == ("colwise", "shard(0)")
+    assert [r.shape for r in sinks.ranks] == [[2]] * 4  # 8 heads
+    # a module style that places its own tensors still conflicts with a sharding tensor key
+    patterns = {k: "replicate" if v == "local_params" else v for k, v in plan.patterns.items()}
+    clash = tpviz.resolve_plan(hf_models["granite_swa"], 2, patterns)
+    assert {e.code for e in clash.errors} == {"conflicting_style"}
+
+
 @pytest.mark.parametrize(
     "name, world_size",
     [
@@ -104,6 +118,7 @@ def test_latent_attention_keeps_its_kv_down_projection_whole_and_its_heads_align
         ("qwen3", 4),
         ("phi3", 2),
         ("minicpm3", 2),
+        ("granite_swa", 2),
     ],
 )
 def test_logits_match_transformers(hf_models, name, world_size):

@@ -452,7 +452,7 @@ def _resolve(
         for leaf, tensor, tensor_kind, persistent in direct:
             name = _join(mod_name, leaf)
             if tensor_kind == "parameter" and id(tensor) in by_id:
-                _tie(by_id[id(tensor)], name, forward, leaf, errors)
+                _tie(by_id[id(tensor)], name, forward, leaf, tensor.dim(), errors)
                 continue
             own_key = None
             if tensor_kind == "parameter":
@@ -461,8 +461,14 @@ def _resolve(
             style = (_style_of(own_key, mod_name, unsupported) if own_key else forward) or (
                 styles.STYLES[styles.DEFAULT_STYLE]
             )
-            dim = style.placement_dim(leaf) if tensor_kind == "parameter" else None
-            if forward and own_key and dim != forward.placement_dim(leaf):
+            ndim = tensor.dim()
+            dim = style.placement_dim(leaf, ndim) if tensor_kind == "parameter" else None
+            if (
+                forward
+                and forward.places_params
+                and own_key
+                and dim != forward.placement_dim(leaf, ndim)
+            ):
                 errors.add(
                     "conflicting_style",
                     name,
@@ -470,14 +476,6 @@ def _resolve(
                     f"module's style {forward.name!r}; give both the same style",
                 )
             shape = list(tensor.shape)
-            if dim is not None and dim >= len(shape):
-                errors.add(
-                    "unsupported_style",
-                    name,
-                    f"{name}: style {style.name!r} shards dim {dim}, but the tensor has "
-                    f"{len(shape)} dim(s)",
-                )
-                dim = None
             parts = 2 if style.packed and dim is not None else 1
             if parts > 1 and shape[dim] % parts:
                 errors.add(
@@ -564,10 +562,10 @@ def _style_of(
     return None
 
 
-def _tie(first: TensorPlan, name: str, forward, leaf: str, errors: _Issues) -> None:
+def _tie(first: TensorPlan, name: str, forward, leaf: str, ndim: int, errors: _Issues) -> None:
     """A tensor shared with an earlier one: listed once, and placed the same way."""
     first.tied_to.append(name)
-    dim = forward.placement_dim(leaf) if forward else None
+    dim = forward.placement_dim(leaf, ndim) if forward else None
     if dim != first.shard_dim:
         errors.add(
             "tied_mismatch",

@@ -23,15 +23,18 @@ class Style:
     packed: bool = False  # fused parts along `weight_dim`, each chunked on its own
     local_output: bool = False  # output stays sharded: the next module sees only local features
     local_input: bool = False  # input arrives sharded on its last dim
+    places_params: bool = True  # False: each of the module's tensors is placed by its own key
     summary: str = ""
 
-    def placement_dim(self, param_name: str) -> int | None:
-        """Sharded dim of `param_name` (`weight`, `bias`, ...) under this style; None: replicate."""
-        if param_name == "weight":
-            return self.weight_dim
-        if param_name == "bias" and self.bias_sharded:
-            return 0
-        return None
+    def placement_dim(self, param_name: str, ndim: int) -> int | None:
+        """Sharded dim of parameter `param_name` with `ndim` dims under this style; None:
+        replicate. A bias follows `bias_sharded`; any other parameter is cut like the weight,
+        and a 1-D one (attention sinks) along its only dim, as transformers does."""
+        if param_name == "bias":
+            return 0 if self.bias_sharded else None
+        if self.weight_dim is None or ndim == 0:
+            return None
+        return min(self.weight_dim, ndim - 1)
 
 
 STYLES: dict[str, Style] = {
@@ -102,6 +105,15 @@ STYLES: dict[str, Style] = {
             summary="multi-head latent attention's shared kv down-projection: replicated (its "
             "rotary part's gradient is all-reduced when training; nothing in inference)",
         ),
+        Style(
+            "local_params",
+            None,
+            False,
+            (ANY,),
+            places_params=False,
+            summary="the module computes with its own parameters as local tensors, each placed "
+            "by its own key (e.g. attention sinks sharded by head)",
+        ),
         Style("replicate", None, False, (ANY,), summary="every rank holds the whole tensor"),
     )
 }
@@ -124,7 +136,6 @@ UNSUPPORTED: frozenset[str] = frozenset(
         "all_reduce",
         "moe_tp_experts",
         "moe_identity_expert",
-        "local_params",
         "ep_router",
         "grouped_gemm",
         "isolated",
