@@ -23,15 +23,9 @@ from ..styles import DEFAULT_STYLE, STYLES
 
 RANK_COLORS = qualitative.Plotly
 # Set2 ends in grey: that stays the colour of `replicate`, the default style
-STYLE_COLORS = {
-    **dict(
-        zip(
-            [s for s in STYLES if s != DEFAULT_STYLE],
-            [*qualitative.Set2[:-1], *qualitative.Pastel1],
-        )
-    ),
-    DEFAULT_STYLE: qualitative.Set2[-1],
-}
+STYLE_COLORS = dict(
+    zip([s for s in STYLES if s != DEFAULT_STYLE], [*qualitative.Set2[:-1], *qualitative.Pastel1])
+) | {DEFAULT_STYLE: qualitative.Set2[-1]}
 MAX_POINTS = 4000  # per memory line: bounds what each redraw sends to the browser
 
 # measure -> (label, what it counts)
