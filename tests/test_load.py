@@ -75,6 +75,16 @@ def test_logits_match_the_single_process_reference(job2):
     assert torch.isfinite(logits).all()
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_ranks(job2):
+    for ids, named in (([[5, 999999]], "999999"), ([[5, -1]], "-1"), ([[1000]], "1000")):
+        with pytest.raises(ValueError, match=f"token id {named} .*vocabulary size 1000"):
+            job2.forward(ids)
+    with pytest.raises(ValueError, match="integers"):
+        job2.forward(torch.tensor([[5.0, 7.0]]))
+    assert job2.state == "loaded"
+    assert job2.forward([[5, 999]]).shape == (1, 2, 1000)
+
+
 def test_shard_report_shows_real_shards_as_planned(job2):
     report = job2.shard_report()
     assert len(report) == 2

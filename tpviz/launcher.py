@@ -29,6 +29,7 @@ from .models import get_adapter, prompt_ids, read_config
 from .plan import ResolvedPlan, forecast, resolve_plan
 from .runtime.loader import LoadOptions
 from .runtime.worker import WorkerSpec, run_rank
+from .token_ids import check_token_ids
 
 LAUNCHER = -1  # the `rank` of events the launcher itself makes
 TERMINATE_GRACE_SECONDS = 3.0
@@ -113,6 +114,7 @@ class LoadJob:
             )
             for r in range(plan.world_size)
         }
+        self._vocab: int | None = None  # read from config.json on the first forward
         self.messages_received = 0  # batches and replies from the ranks: bounded per second
         self._events: list[Event] = []
         self._subscribers: list[Callable[[Event], None]] = []
@@ -367,11 +369,20 @@ class LoadJob:
         return [replies[r][1] for r in range(world)]
 
     def forward(self, input_ids: torch.Tensor | list) -> torch.Tensor:
-        """Run the sharded model on `input_ids`; the logits, gathered, on this side."""
-        ids = torch.as_tensor(input_ids, dtype=torch.long)
-        if ids.dim() == 1:
-            ids = ids[None]
+        """Run the sharded model on `input_ids`; the logits, gathered, on this side. Ids are
+        checked here first (ValueError): no rank would notice one outside the vocabulary."""
+        ids = check_token_ids(input_ids, self._vocab_size())
         return self._command("forward", ids)[0]
+
+    def _vocab_size(self) -> int:
+        if self._vocab is None:
+            config = read_config(self.plan.source)
+            vocab = config.get("vocab_size")  # what every model family tpviz runs writes
+            if not isinstance(vocab, int):  # nested (text_config): the adapter knows where
+                vocab = get_adapter(config, self.plan.model, self.plan.source).vocab_size(config)
+            self._vocab = vocab
+        return self._vocab
+
 
     def shard_report(self) -> list[list[dict[str, Any]]]:
         """Each rank's real local tensors (shape, dtype, device, placement) beside the plan."""
