@@ -24,6 +24,7 @@ import psutil
 import torch
 import torch.multiprocessing as mp
 
+from .capacity import free_task_slots, host_shortfall
 from .events import Done, Error, Event, Phase, UnitDone, UnitStart
 from .models import get_adapter, prompt_ids, read_config
 from .plan import ResolvedPlan, forecast, resolve_plan
@@ -483,19 +484,17 @@ def _pump(ref: weakref.ref[LoadJob]) -> None:
 
 
 def check_memory(plan: ResolvedPlan, strategy: str, device: str, init: str) -> None:
-    """Refuse, with the figures, a load whose forecast does not fit this machine."""
+    """Refuse, with the figures, a load whose forecast (its tensors, and on CPU its ranks'
+    processes) does not fit this machine."""
     fc = forecast(plan, strategy, device, init)
     gib = 1024**3
     if device == "cpu":
-        need = sum(fc.peak_bytes)
-        have = psutil.virtual_memory().available
-        if need > have:
-            raise MemoryForecastError(
-                f"{strategy} needs about {need / gib:.1f} GiB of host RAM for {plan.world_size} "
-                f"ranks (forecast peak {max(fc.peak_bytes) / gib:.1f} GiB per rank); "
-                f"{have / gib:.1f} GiB is available. Use the sliced strategy, fewer ranks, or "
-                "force=True (--force) to try anyway"
-            )
+        available = psutil.virtual_memory().available
+        problem = host_shortfall(
+            plan.world_size, strategy, fc.peak_bytes, available, free_task_slots()
+        )
+        if problem:
+            raise MemoryForecastError(problem)
         return
     for rank, need in enumerate(fc.peak_bytes):
         free, _ = torch.cuda.mem_get_info(rank)
