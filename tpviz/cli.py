@@ -193,14 +193,15 @@ def cmd_load(args: argparse.Namespace) -> int:
 
     plan = _resolve(args)
     plan.raise_for_errors()
+    report = _check_report(args)
     with launch(
         args.source, args.world_size, plan, strategy=args.strategy, **_launch_kwargs(args)
     ) as job:
         result = _follow(job, show=not args.json)
-    if args.report:
-        _write_report(args.report, plan, [result], [job.events])
-    _emit(args, result, load_table(result))
-    return 0 if _succeeded(result) else FAILURE
+    errors = list(result.get("output_errors", []))
+    if report:
+        errors += _write_report(report, plan, [result], [job.events])
+    return _finish(args, result, load_table(result), errors, _succeeded(result))
 
 
 def _succeeded(result: dict[str, Any]) -> bool:
@@ -222,12 +223,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
         events.append(job.events)
         return result
 
+    report = _check_report(args)
     results = compare(args.source, args.world_size, plan, follow=follow, **_launch_kwargs(args))
-    if args.report:
-        _write_report(args.report, plan, results, events)
+    errors = [e for r in results for e in r.get("output_errors", [])]
+    if report:
+        errors += _write_report(report, plan, results, events)
     text = "\n\n".join([*(load_table(r) for r in results), compare_table(results)])
-    _emit(args, {"strategies": results}, text)
-    return 0 if all(_succeeded(r) for r in results) else FAILURE
+    ok = all(_succeeded(r) for r in results)
+    return _finish(args, {"strategies": results}, text, errors, ok)
+
+
+def _finish(
+    args: argparse.Namespace, data: dict[str, Any], text: str, errors: list[dict], ok: bool
+) -> int:
+    """Show the result, then one line per output that could not be written (exit 1): a
+    failed output never hides the load result."""
+    unique = list({e["message"]: e for e in errors}.values())
+    if unique:
+        data = {**data, "errors": [{"code": "OutputWriteError", **e} for e in unique]}
+    _emit(args, data, text)
+    for error in unique:
+        print(f"tpviz {args.command}: {error['message']}", file=sys.stderr)
+    return 0 if ok and not unique else FAILURE
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -327,8 +344,21 @@ def _follow_plain(job) -> dict[str, Any]:
                     )
 
 
-def _write_report(path: str, plan, results: list[dict[str, Any]], events: list) -> None:
+def _check_report(args: argparse.Namespace) -> str | None:
+    """The --report path, checked before anything is launched."""
+    from .outputs import check_output_file
+
+    return check_output_file(args.report, "report", args.source) if args.report else None
+
+
+def _write_report(path: str, plan, results: list[dict[str, Any]], events: list) -> list[dict]:
+    """Write the report; its failure, as an output error (nothing is raised)."""
+    from .outputs import OutputWriteError, write_error
     from .report import write_html_report
 
-    write_html_report(path, plan, results, events)
+    try:
+        write_html_report(path, plan, results, events)
+    except OutputWriteError as e:
+        return [write_error("report", path, path, e.reason)]
     print(f"report written to {path}", file=sys.stderr)
+    return []

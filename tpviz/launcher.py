@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from .capacity import free_task_slots, host_shortfall
 from .events import Done, Error, Event, Phase, UnitDone, UnitStart
 from .models import get_adapter, prompt_ids, read_config
+from .outputs import check_output_dir, collect_output_errors
 from .plan import ResolvedPlan, forecast, resolve_plan
 from .runtime.loader import LoadOptions
 from .runtime.worker import WorkerSpec, run_rank
@@ -264,6 +265,9 @@ class LoadJob:
                 "dir": self.options.profile_dir,
                 "ranks": [r.get("profile") for r in ranks],
             }
+        errors = collect_output_errors(ranks)
+        if errors:
+            result["output_errors"] = errors
         self.result = result
         if self.verify_requested:
             threading.Thread(
@@ -383,7 +387,6 @@ class LoadJob:
                 vocab = get_adapter(config, self.plan.model, self.plan.source).vocab_size(config)
             self._vocab = vocab
         return self._vocab
-
 
     def shard_report(self) -> list[list[dict[str, Any]]]:
         """Each rank's real local tensors (shape, dtype, device, placement) beside the plan."""
@@ -549,6 +552,10 @@ def launch(
             )
     elif device != "cpu":
         raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    if events_dir:
+        events_dir = check_output_dir(events_dir, "events dir", resolved.source)
+    if profile_dir:
+        profile_dir = check_output_dir(profile_dir, "profile dir", resolved.source)
     options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward, seed_skew)
     options.validate(resolved)
     if not force:

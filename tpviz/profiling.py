@@ -1,7 +1,9 @@
 """torch.profiler wiring: one TensorBoard worker per rank, a range per unit and per phase.
 
-Traces are written with `tensorboard_trace_handler(DIR, worker_name="rank{r}")`, which the
-torch-tb-profiler plugin reads (`tensorboard --logdir DIR`). The loader marks its work with
+Traces are written as `DIR/rank{r}.<ns>.pt.trace.json`, the names `tensorboard_trace_handler`
+gives, which the torch-tb-profiler plugin reads (`tensorboard --logdir DIR`). A trace that
+cannot be written (a full disk) is noted in the rank's profile summary (`error`) with its path:
+the load result is kept. The loader marks its work with
 `span(name)`: a `record_function` range while profiling, `contextlib.nullcontext` otherwise,
 so without a profile dir the load path has no profiler in it at all.
 """
@@ -9,11 +11,15 @@ so without a profile dir the load path has no profiler in it at all.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function, tensorboard_trace_handler
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from .outputs import write_error
 
 UNIT_PREFIX = "tpviz.load/"
 PHASE_PREFIX = "tpviz.phase/"
@@ -25,8 +31,10 @@ def no_span(name: str) -> contextlib.AbstractContextManager:
 
 
 class RankProfiler:
-    def __init__(self, prof: profile):
-        self.prof = prof
+    def __init__(self) -> None:
+        self.prof: profile | None = None
+        self.trace: str | None = None  # the file written
+        self.error: dict[str, str] | None = None  # or why it was not
 
     @staticmethod
     def span(name: str) -> contextlib.AbstractContextManager:
@@ -45,13 +53,38 @@ class RankProfiler:
             elif evt.name in totals:
                 totals[evt.name] += seconds
         slowest = sorted(units.items(), key=lambda kv: kv[1], reverse=True)[:top]
-        return {
+        summary = {
             "slowest_units": [{"module": m, "seconds": s} for m, s in slowest],
             "unit_seconds": sum(units.values()),
             "read_seconds": totals[READ],
             "copy_seconds": totals[COPY],
             "collective_seconds": totals[COLLECTIVE],
+            "trace": self.trace,
         }
+        if self.error is not None:
+            summary["error"] = self.error
+        return summary
+
+
+def _trace_writer(profile_dir: str, rank: int, out: RankProfiler) -> Callable[[profile], None]:
+    def write(prof: profile) -> None:
+        path = os.path.join(profile_dir, f"rank{rank}.{time.time_ns()}.pt.trace.json")
+        try:
+            os.makedirs(profile_dir, exist_ok=True)
+            prof.export_chrome_trace(path)
+        except (OSError, RuntimeError) as e:
+            out.error = write_error("profile", profile_dir, path, str(e))
+            return
+        # kineto writes PATH.tmp and renames it; a failed write only logs to stderr
+        if not os.path.isfile(path):
+            with contextlib.suppress(OSError):
+                os.unlink(path + ".tmp")
+            reason = "the profiler could not write it (is the disk full?)"
+            out.error = write_error("profile", profile_dir, path, reason)
+            return
+        out.trace = path
+
+    return write
 
 
 @contextlib.contextmanager
@@ -65,8 +98,12 @@ def rank_profiler(
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    handler = tensorboard_trace_handler(profile_dir, worker_name=f"rank{rank}")
+    out = RankProfiler()
     with profile(
-        activities=activities, profile_memory=True, record_shapes=True, on_trace_ready=handler
+        activities=activities,
+        profile_memory=True,
+        record_shapes=True,
+        on_trace_ready=_trace_writer(profile_dir, rank, out),
     ) as prof:
-        yield RankProfiler(prof)
+        out.prof = prof
+        yield out

@@ -9,6 +9,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from .outputs import write_text
 from .plan import ResolvedPlan
 
 _INDEX = re.compile(r"\.\d+\.")
@@ -150,7 +151,7 @@ def load_table(result: dict[str, Any]) -> str:
                 )
             )
     profile = result.get("profile")
-    if profile:
+    if profile and all((r or {}).get("error") is None for r in profile["ranks"]):
         lines.append(f"profile traces: {profile['dir']} (tensorboard --logdir {profile['dir']})")
     return "\n".join(lines)
 
@@ -306,7 +307,6 @@ def write_html_report(
     results: Sequence[dict[str, Any]],
     events: Sequence[Sequence[Any] | None] | None = None,
 ) -> Path:
-    """Write `html_report(plan, results, events)` to `path`; opens offline."""
-    out = Path(path)
-    out.write_text(html_report(plan, results, events), encoding="utf-8")
-    return out
+    """Write `html_report(plan, results, events)` to `path`, whole or not at all (a failure
+    raises OutputWriteError naming the path); opens offline."""
+    return write_text(path, html_report(plan, results, events))

@@ -1,0 +1,200 @@
+"""Output paths are checked before any rank starts; a write that fails during the run is
+reported with its path beside the load result; token ids and rank counts are checked before
+they reach ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tpviz
+from tpviz.capacity import RANK_PRIVATE_BYTES, host_shortfall
+from tpviz.cli import main
+from tpviz.events import Done, Phase
+from tpviz.launcher import check_memory
+from tpviz.outputs import OutputPathError, OutputWriteError, write_text
+from tpviz.runtime.sink import EventSink
+from tpviz.token_ids import check_token_ids
+
+from .conftest import REPO
+from .test_failures import children, digest
+
+GIB = 1024**3
+
+
+def _a_file(tmp: Path) -> Path:
+    (tmp / "a-file").write_text("not a directory")
+    return tmp / "a-file"
+
+
+def _link_to_checkpoint(tmp: Path, ckpt: Path) -> Path:
+    (tmp / "report.html").symlink_to(next(ckpt.glob("*.safetensors")))
+    return tmp / "report.html"
+
+
+BAD_OUTPUTS = {
+    "events at a file": ("--events", lambda tmp, ckpt: _a_file(tmp), "is a file"),
+    "events under a file": ("--events", lambda tmp, ckpt: _a_file(tmp) / "sub", "is a file"),
+    "profile at a file": ("--profile", lambda tmp, ckpt: _a_file(tmp), "is a file"),
+    "events in the checkpoint": ("--events", lambda tmp, ckpt: ckpt, "checkpoint"),
+    "profile in the checkpoint": ("--profile", lambda tmp, ckpt: ckpt / "t", "checkpoint"),
+    "report over config.json": ("--report", lambda tmp, ckpt: ckpt / "config.json", "checkpoint"),
+    "report over a weights file": (
+        "--report",
+        lambda tmp, ckpt: next(ckpt.glob("*.safetensors")),
+        "checkpoint",
+    ),
+    "report linked to a weights file": ("--report", _link_to_checkpoint, "checkpoint"),
+    "report at a directory": ("--report", lambda tmp, ckpt: tmp, "is a directory"),
+    "report in a missing dir": ("--report", lambda tmp, ckpt: tmp / "no" / "r.html", "exist"),
+    "report at a device": ("--report", lambda tmp, ckpt: Path("/dev/full"), "regular file"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_OUTPUTS)
+def test_a_bad_output_path_exits_2_before_any_rank_starts(case, tmp_path, tiny, capsys):
+    flag, make, reason = BAD_OUTPUTS[case]
+    path = make(tmp_path, tiny)
+    before = digest(tiny)
+    assert main(["load", str(tiny), flag, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert str(path.absolute()) in err and reason in err
+    assert children() == []
+    assert digest(tiny) == before
+
+
+def test_launch_checks_its_output_dirs_too(tmp_path, tiny):
+    with pytest.raises(OutputPathError, match="events dir .*a-file is a file"):
+        tpviz.launch(tiny, 2, events_dir=_a_file(tmp_path))
+    with pytest.raises(ValueError, match="profile dir .* would write into the checkpoint"):
+        tpviz.launch(tiny, 2, profile_dir=tiny / "traces")
+    assert children() == [] and not (tiny / "traces").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_unwritable_parent_is_refused(tmp_path, tiny, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    assert main(["load", str(tiny), "--report", str(locked / "r.html")]) == 2
+    assert main(["load", str(tiny), "--events", str(locked / "events")]) == 2
+    assert capsys.readouterr().err.count("not writable") == 2
+
+
+def _limit_file_size(limit: int):
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_failed_report_write_names_the_path_and_keeps_the_old_file(tmp_path):
+    report = tmp_path / "report.html"
+    report.write_text("the earlier report")
+    restore = _limit_file_size(1000)  # a full disk, for this process only
+    try:
+        with pytest.raises(OutputWriteError, match=f"could not write {report}: File too large"):
+            write_text(report, "x" * 5000)
+    finally:
+        restore()
+    assert report.read_text() == "the earlier report"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
+
+
+def test_an_events_file_on_a_full_disk_is_reported_not_raised(tmp_path):
+    events = tmp_path / "events"
+    events.mkdir()
+    (events / "rank0.jsonl").symlink_to("/dev/full")  # every write: No space left on device
+    sent: list = []
+    sink = EventSink(0, sent.append, events)
+    sink.emit(Phase(0, 1.0, name="starting"))
+    sink.emit(Done(0, 2.0, result={"rank": 0}))
+    sink.close()
+    delivered = [e for _, batch in sent for e in batch]
+    assert [e.type for e in delivered] == ["phase", "done"]  # the viewers still get them
+    (error,) = delivered[1].result["output_errors"]
+    assert error["path"] == str(events) and "rank0.jsonl: No space left" in error["message"]
+
+
+@pytest.mark.slow
+def test_outputs_failing_during_a_load_keep_the_result(tmp_path, tiny):
+    """A full disk (RLIMIT_FSIZE) for events, traces and the report: the load result is
+    printed, each output is named on one line, exit 1, no traceback, nothing half-written."""
+    report = tmp_path / "report.html"
+    report.write_text("the earlier report")
+    before = digest(tiny)
+    cli = [sys.executable, "-m", "tpviz", "load", str(tiny), "--json", "--report", str(report)]
+    cli += ["--events", str(tmp_path / "ev"), "--profile", str(tmp_path / "prof")]
+    done = subprocess.run(
+        cli,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000)),
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "__main__" not in done.stderr
+    data = json.loads(done.stdout)
+    assert data["plan_matches_shards"] and len(data["ranks"]) == 2
+    assert {e["path"] for e in data["errors"]} == {
+        str(tmp_path / "ev"),
+        str(tmp_path / "prof"),
+        str(report),
+    }
+    lines = [line for line in done.stderr.splitlines() if "could not write" in line]
+    assert len(lines) == 3 and all(line.startswith("tpviz load: ") for line in lines)
+    assert report.read_text() == "the earlier report"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ev", "prof", "report.html"]
+    assert list((tmp_path / "prof").iterdir()) == []  # no truncated trace left behind
+    assert digest(tiny) == before
+
+
+def test_token_ids_are_checked_against_the_vocabulary():
+    for bad, named in (([[5, 999999]], "999999"), ([[5, -1]], "-1"), ([[1000]], "1000")):
+        with pytest.raises(ValueError, match=f"token id {named} .*vocabulary size 1000"):
+            check_token_ids(bad, 1000)
+    for bad, says in (
+        (torch.tensor([[1.5]]), "integers, not float32"),
+        ([[True]], "integers, not bool"),
+        ([], "empty"),
+        ([[]], "empty"),
+        ([[[1]]], "3-D"),
+        ([[1, 2], [3]], "nested lists of ints"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            check_token_ids(bad, 1000)
+    ids = check_token_ids(torch.tensor([0, 999], dtype=torch.int32), 1000)
+    assert ids.dtype == torch.long and ids.tolist() == [[0, 999]]
+
+
+def test_a_rank_count_the_machine_cannot_run_is_refused_before_spawning(tmp_path, tiny, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"embed_tokens": "embedding_rowwise"}))  # valid at any size
+    assert main(["load", str(tiny), "--world-size", "1000", "--plan", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "for 1000 ranks" in err and "At most about" in err and "--force" in err
+    assert children() == []
+    assert main(["plan", str(tiny), "--world-size", "1000", "--plan", str(plan), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 1000
+
+
+def test_eight_ranks_on_two_cores_are_not_refused(tiny):
+    plan = tpviz.resolve_plan(tiny, 8, {"embed_tokens": "embedding_rowwise"})
+    check_memory(plan, "sliced", "cpu", "checkpoint")  # raises if refused
+
+
+def test_rank_count_is_judged_on_memory_and_the_process_limit():
+    fits = 8 * RANK_PRIVATE_BYTES + GIB
+    assert host_shortfall(8, "sliced", [GIB // 8] * 8, fits, None) is None
+    short = host_shortfall(8, "replicated", [GIB] * 8, fits, None)
+    assert "for 8 ranks" in short and "sliced strategy" in short
+    limited = host_shortfall(8, "sliced", [0] * 8, fits, task_slots=20)
+    assert "process limit" in limited and "at most 3 ranks" in limited
