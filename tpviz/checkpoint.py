@@ -141,7 +141,8 @@ def unused_weights(directory: Path) -> dict[str, str]:
                 "save_pretrained(..., safe_serialization=True))"
             )
         elif f.name.endswith(".safetensors"):
-            found[f.name] = "holds no tensors"
+            indexed = (directory / INDEX_NAME).exists()
+            found[f.name] = f"not named in {INDEX_NAME}" if indexed else "holds no tensors"
         elif f.name == INDEX_NAME:
             found[f.name] = "its weight_map lists no tensors"
     return found

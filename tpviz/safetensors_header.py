@@ -90,7 +90,7 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         for name, entry in header.items()
         if name != "__metadata__"
     }
-    _check_layout(path)
+    _check_layout(path, tensors)
     return tensors
 
 
@@ -155,7 +155,7 @@ def _count(value: Any) -> int:
     return value
 
 
-def _check_layout(path: str) -> None:
+def _check_layout(path: str, tensors: dict[str, TensorInfo]) -> None:
     """Let the safetensors package validate the layout: offsets sorted, each tensor starting
     where the previous one ends, the last ending at the end of the file. It maps the file
     but reads only the header; the mapping is gone when `safe_open` closes."""
@@ -166,10 +166,23 @@ def _check_layout(path: str) -> None:
         reason = str(e).removeprefix("Error while deserializing header: ")
         named = re.search(r"tensor `(.*)`", reason)
         tensor = named.group(1) if named else None
-        if tensor is not None and "invalid offset" in reason:
-            reason = f"tensor {tensor!r} overlaps another tensor's bytes or leaves a gap before it"
+        if tensor in tensors and "invalid offset" in reason:
+            reason = _misplaced(tensors[tensor], tensors)
         raise CheckpointError(
             f"{path}: corrupt safetensors file ({reason}); re-create or re-download it",
             path,
             tensor,
         ) from None
+
+
+def _misplaced(info: TensorInfo, tensors: dict[str, TensorInfo]) -> str:
+    """Words for a tensor safetensors found out of place: whose bytes it shares, if any."""
+    shared = [
+        t.name
+        for t in tensors.values()
+        if t is not info and t.start < info.end and info.start < t.end
+    ]
+    where = f"bytes {info.start}-{info.end}"
+    if shared:
+        return f"tensor {info.name!r} ({where}) shares bytes with {', '.join(map(repr, shared))}"
+    return f"tensor {info.name!r} ({where}) leaves a gap before it"
