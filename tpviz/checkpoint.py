@@ -1,145 +1,50 @@
 """safetensors checkpoints: metadata from the headers alone, and reads of rectangular blocks.
 
-A safetensors file is an 8-byte little-endian header length, a JSON header mapping tensor names
-to dtype, shape and data offsets, then the raw bytes in row-major order. Metadata comes from
-the headers only. Block reads use `os.preadv` straight into memory the caller owns: no mmap,
-so no checkpoint pages stay resident in the reading process. Files are opened read-only.
+Metadata comes from the headers only (validated in safetensors_header.py); an index may name
+only files inside its own directory. Block reads use `os.preadv` straight into memory the
+caller owns: no mmap, so no checkpoint pages stay resident in the reading process. Files are
+opened read-only.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 import os
-import struct
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .inputs import read_json, stat_path
+from .safetensors_header import CheckpointError, TensorInfo, dtype_name, read_header, torch_dtype
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 
-# safetensors dtype tag -> torch dtype
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.float32` -> `"float32"`."""
-    return str(dtype).removeprefix("torch.")
-
-
-@functools.cache
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as it is; the message names the file and tensor."""
-
-    def __init__(self, message: str, file: str | None = None, tensor: str | None = None):
-        super().__init__(message)
-        self.file = file
-        self.tensor = tensor
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    file: str  # absolute path
-    shape: tuple[int, ...]
-    dtype: str  # torch name without prefix
-    start: int  # absolute byte offset of the first element in `file`
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype)
-
-
-def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
-    """Tensor metadata of one .safetensors file, read from its header only."""
-    path = os.path.abspath(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)", path)
-        (length,) = struct.unpack("<Q", head)
-        if length > min(MAX_HEADER_BYTES, size - 8):
-            raise CheckpointError(
-                f"{path}: corrupt or truncated safetensors file (header claims {length} bytes, "
-                f"file has {size}); re-create or re-download it",
-                path,
-            )
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: corrupt safetensors header ({e})", path) from None
-    base = 8 + length
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, stop = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(
-                f"{path}: tensor {name!r} has an unreadable header entry {entry!r}", path, name
-            ) from None
-        info = TensorInfo(name, path, shape, dtype_name(dtype), base + begin, base + stop)
-        expected = math.prod(shape) * dtype.itemsize
-        if info.nbytes != expected:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} spans {info.nbytes} bytes but shape {list(shape)} "
-                f"{info.dtype} needs {expected}; the file is corrupt",
-                path,
-                name,
-            )
-        if info.end > size:
-            raise CheckpointError(
-                f"{path}: truncated safetensors file: tensor {name!r} needs bytes up to "
-                f"{info.end}, the file has {size}; re-create or re-download it",
-                path,
-                name,
-            )
-        tensors[name] = info
-    return tensors
+__all__ = [
+    "BlockReader",
+    "Checkpoint",
+    "CheckpointError",
+    "TensorInfo",
+    "contiguous_runs",
+    "dtype_name",
+    "read_header",
+    "torch_dtype",
+]
 
 
 @dataclass
 class Checkpoint:
     """Metadata of a checkpoint: one file, a sharded index, or a directory holding either.
 
-    `tensors` is empty for a directory that holds only `config.json` (planning without weights).
+    `tensors` is empty for a directory that holds only `config.json` (planning without weights);
+    `unused` then says which weight-like files were found there and why they are not read.
     """
 
     path: str
     tensors: dict[str, TensorInfo]
+    unused: dict[str, str] = field(default_factory=dict)
 
     @property
     def files(self) -> list[str]:
@@ -151,47 +56,96 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Checkpoint:
+        is_dir = stat.S_ISDIR(stat_path(path, "checkpoint", CheckpointError).st_mode)
         path = Path(path).resolve()
-        if path.is_dir():
-            if (path / INDEX_NAME).exists():
-                return cls._from_index(path / INDEX_NAME)
-            files = sorted(path.glob("*.safetensors"))
-            if not files and not (path / "config.json").exists():
-                raise CheckpointError(
-                    f"{path}: no *.safetensors, {INDEX_NAME} or config.json here; point at a "
-                    "checkpoint directory",
-                    str(path),
-                )
-            return cls(str(path), _merge(read_header(f) for f in files))
-        if not path.exists():
-            raise CheckpointError(f"{path}: no such file or directory", str(path))
+        if is_dir:
+            if os.path.lexists(path / INDEX_NAME):
+                ckpt = cls._from_index(path / INDEX_NAME)
+            else:
+                files = sorted(path.glob("*.safetensors"))
+                if not files and not os.path.lexists(path / "config.json"):
+                    raise CheckpointError(
+                        f"{path}: no *.safetensors, {INDEX_NAME} or config.json here; point at "
+                        "a checkpoint directory",
+                        str(path),
+                    )
+                ckpt = cls(str(path), _merge(read_header(f) for f in files))
+            if not ckpt.has_weights:
+                ckpt.unused = unused_weights(path)
+            return ckpt
         if path.name.endswith(".index.json"):
             return cls._from_index(path)
         return cls(str(path.parent), read_header(path))
 
     @classmethod
     def _from_index(cls, index: Path) -> Checkpoint:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index ({e})", str(index)) from None
-        tensors: dict[str, TensorInfo] = {}
+        weight_map = _weight_map(index)
+        headers = {}
         for file in sorted(set(weight_map.values())):
             target = index.parent / file
-            if not target.exists():
+            if not os.path.lexists(target):
                 raise CheckpointError(
                     f"{index}: lists {file}, which is missing from {index.parent}", str(target)
                 )
-            tensors.update(read_header(target))
+            headers[file] = read_header(target)
+        tensors = _merge(headers.values())  # a tensor in two shards: an error naming both
         for name, file in weight_map.items():
-            info = tensors.get(name)
-            if info is None or Path(info.file).name != Path(file).name:
+            if name not in headers[file]:
                 raise CheckpointError(
                     f"{index}: says {name!r} is in {file}, but that file's header does not list it",
                     str(index.parent / file),
                     name,
                 )
         return cls(str(index.parent), tensors)
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's `weight_map`: tensor name -> a file inside the index's directory."""
+    data = read_json(index, "safetensors index", CheckpointError, unique_keys=True)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f'{index}: not a safetensors index (needs an object "weight_map" of tensor name '
+            "-> file name)",
+            str(index),
+        )
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file:
+            raise CheckpointError(
+                f"{index}: weight_map entry {name!r} is {file!r}, not a file name", str(index), name
+            )
+        # an index names files beside it; one reaching elsewhere (absolute, or through ..)
+        # would make tpviz read a file the checkpoint does not hold
+        if Path(file).is_absolute() or ".." in Path(file).parts:
+            raise CheckpointError(
+                f"{index}: weight_map entry {name!r} points outside the checkpoint directory "
+                f"({file}); an index may name only files inside {index.parent}",
+                str(index),
+                name,
+            )
+    return weight_map
+
+
+# files that hold weights in formats tpviz does not read
+FOREIGN_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz", ".onnx")
+
+
+def unused_weights(directory: Path) -> dict[str, str]:
+    """Files in a directory without usable tensors that look like weights: name -> why each
+    is not used."""
+    found = {}
+    for f in sorted(directory.iterdir()):
+        if f.name.endswith((*FOREIGN_WEIGHTS, ".bin.index.json")):
+            found[f.name] = (
+                "not safetensors (tpviz reads only .safetensors files; convert it, e.g. "
+                "save_pretrained(..., safe_serialization=True))"
+            )
+        elif f.name.endswith(".safetensors"):
+            indexed = (directory / INDEX_NAME).exists()
+            found[f.name] = f"not named in {INDEX_NAME}" if indexed else "holds no tensors"
+        elif f.name == INDEX_NAME:
+            found[f.name] = "its weight_map lists no tensors"
+    return found
 
 
 def _merge(headers) -> dict[str, TensorInfo]:

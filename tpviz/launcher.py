@@ -536,6 +536,12 @@ def launch(
     `profile_forward` also profiles one forward of the fixed prompt after loading.
     `seed_skew` ({rank: offset}) shifts one rank's seed: a test hook for the init checks.
     """
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout < float("inf")  # NaN fails this too
+    ):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout!r}")
     resolved = resolve_plan(source, world_size, plan, dtype=dtype, model=model)
     resolved.raise_for_errors()
     if resolved.source is None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from . import styles
 from .checkpoint import Checkpoint, dtype_name, torch_dtype
+from .inputs import read_json
 from .models import (
     Alignment,
     ModelAdapter,
@@ -42,7 +43,9 @@ class PlanError(ValueError):
     def __init__(self, errors: list[PlanIssue]):
         self.errors = errors
         first = errors[0].message if errors else "invalid plan"
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        n = len(errors) - 1
+        # said apart from the first message, whose own list (world sizes) it must not extend
+        more = f"; and {n} more plan error{'s' if n > 1 else ''}" if n else ""
         super().__init__(first + more)
 
 
@@ -268,25 +271,28 @@ def load_plan_patterns(plan: Mapping[str, str] | str | os.PathLike | None) -> di
     `{"tp_plan": {...}, "base_model_tp_plan": {...}}`)."""
     if plan is None:
         return None
+    where = "the plan"
     if isinstance(plan, (str, os.PathLike)):
-        path = Path(plan)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"plan file {path} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"plan file {path}: not valid JSON ({e})") from None
-    else:
-        data = plan
-    if not isinstance(data, Mapping):
-        raise ValueError(
-            f"a plan must be a JSON object of pattern -> style, got {type(data).__name__}"
-        )
-    if "tp_plan" in data or "base_model_tp_plan" in data:
-        merged = dict(data.get("base_model_tp_plan") or {})
-        merged.update(data.get("tp_plan") or {})
-        return merged
-    return dict(data)
+        where = f"plan file {plan}"
+        plan = read_json(plan, "plan file", unique_keys=True)
+    parts = [plan]
+    if isinstance(plan, Mapping) and ("tp_plan" in plan or "base_model_tp_plan" in plan):
+        parts = [plan.get("base_model_tp_plan") or {}, plan.get("tp_plan") or {}]
+    merged: dict[str, str] = {}
+    for part in parts:
+        if not isinstance(part, Mapping) or not all(isinstance(k, str) for k in part):
+            raise ValueError(
+                f"{where}: a plan must be a JSON object of pattern -> style (or transformers' "
+                f'{{"tp_plan": {{...}}, "base_model_tp_plan": {{...}}}}), got '
+                f"{type(part).__name__} {_short(part)}"
+            )
+        merged.update(part)
+    return merged
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # --- resolution -------------------------------------------------------------------------------
@@ -337,14 +343,14 @@ def resolve_plan(
     `nn.Module` (meta is fine) with an optional `checkpoint`. `plan` defaults to the model
     family's plan. Problems are returned in `errors` / `warnings`, not raised.
     """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
     if isinstance(plan, ResolvedPlan):
         if plan.world_size != world_size:
             raise ValueError(
                 f"the plan was resolved for world size {plan.world_size}, not {world_size}"
             )
         return plan
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
     with _gc_paused():
         return _resolve_source(source, world_size, plan, dtype, model, checkpoint)
 
@@ -384,10 +390,11 @@ def _gc_paused() -> Iterator[None]:
 def _target_dtype(
     dtype: str | torch.dtype | None, config: dict[str, Any], ckpt: Checkpoint | None
 ) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
     if dtype:
-        return torch_dtype(dtype)
+        given = dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype)
+        if not given.is_floating_point:
+            raise ValueError(f"dtype {dtype_name(given)}: weights load as a floating-point dtype")
+        return given
     declared = config_dtype(config)
     if declared and declared != "auto":
         return torch_dtype(declared)
@@ -518,6 +525,8 @@ def _resolve(
         )
 
     _check_alignment(adapter.alignments(config), module_styles, world_size, errors)
+    for file, why in ckpt.unused.items() if ckpt is not None else ():
+        warnings.add("unused_weights", file, f"{ckpt.path}/{file}: {why}; planned without it")
     if ckpt is not None and ckpt.has_weights:
         _check_checkpoint(entries, ckpt, errors)
 

@@ -2,31 +2,36 @@
 
 from __future__ import annotations
 
-import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..inputs import InputFileError, read_json, stat_path
+from .limits import config_problem
 
-class ConfigError(ValueError):
+
+class ConfigError(InputFileError):
     pass
 
 
 def read_config(source: str | Path) -> dict[str, Any]:
-    """`config.json` of a checkpoint directory (or of the directory holding a checkpoint file)."""
-    path = Path(source)
-    if not path.exists():
-        raise ConfigError(f"{path}: no such file or directory")
-    directory = path if path.is_dir() else path.parent
+    """`config.json` of a checkpoint directory (or of the directory holding a checkpoint file),
+    its sizes and dtype checked (see limits.py)."""
+    is_dir = stat.S_ISDIR(stat_path(source, "source", ConfigError).st_mode)
+    directory = Path(source) if is_dir else Path(source).parent
     file = directory / "config.json"
-    if not file.exists():
-        raise ConfigError(f"{directory}: no config.json; a source needs one to build the model")
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not os.path.lexists(file):
+        raise ConfigError(
+            f"{directory}: no config.json; a source needs one to build the model", str(file)
+        )
+    config = read_json(file, "config", ConfigError)
     if not isinstance(config, dict):
-        raise ConfigError(f"{file}: expected a JSON object")
+        raise ConfigError(f"{file}: expected a JSON object, not a {type(config).__name__}")
+    problem = config_problem(config)
+    if problem:
+        raise ConfigError(f"{file}: {problem}", str(file))
     return config
 
 
@@ -75,7 +80,7 @@ class LlamaDims:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
             theta, scaling = rope_settings(config)
-            return cls(
+            dims = cls(
                 vocab_size=int(config["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(config["intermediate_size"]),
@@ -95,3 +100,11 @@ class LlamaDims:
             raise ConfigError(
                 f"config.json lacks {e.args[0]!r}, which a Llama model needs"
             ) from None
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise ConfigError(f"config.json holds a value a Llama model cannot use ({e})") from None
+        if dims.head_dim < 1:
+            raise ConfigError(
+                f"config.json: hidden_size {hidden} over {heads} attention heads leaves no "
+                "head_dim; give head_dim or fewer heads"
+            )
+        return dims

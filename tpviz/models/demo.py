@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from ..checkpoint import INDEX_NAME, SINGLE_NAME, torch_dtype
 from . import BuiltinLlama, build_skeleton
+from .limits import config_problem
 
 # hidden, intermediate, layers, heads, kv heads, vocab
 PRESETS: dict[str, dict[str, int]] = {
@@ -38,12 +39,16 @@ def demo_config(
     unknown = set(dims) - set(PRESETS[preset])
     if unknown:
         raise ValueError(f"unknown dimension override(s): {', '.join(sorted(unknown))}")
+    for name, value in dims.items():
+        if type(value) is not int or value < 1:
+            flag = name.replace("_", "-")
+            raise ValueError(f"--{flag} must be a whole number >= 1, not {value!r}")
     if dims["hidden"] % dims["heads"]:
         raise ValueError(f"hidden size {dims['hidden']} is not a multiple of {dims['heads']} heads")
     if dims["heads"] % dims["kv_heads"]:
         raise ValueError(f"{dims['heads']} heads is not a multiple of {dims['kv_heads']} kv heads")
     torch_dtype(dtype)
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": dims["hidden"],
@@ -67,6 +72,10 @@ def demo_config(
         "use_cache": True,
         "torch_dtype": dtype,
     }
+    problem = config_problem(config)
+    if problem:
+        raise ValueError(f"make-checkpoint: {problem}")
+    return config
 
 
 def make_checkpoint(
@@ -80,11 +89,11 @@ def make_checkpoint(
 ) -> Path:
     """Write a deterministic checkpoint (config.json + safetensors, sharded over
     `max_shard_size`) that transformers' `LlamaForCausalLM.from_pretrained` loads."""
-    config = demo_config(preset, dtype, tie_embeddings, **overrides)
+    config = demo_config(preset, dtype, tie_embeddings, **overrides)  # all checks come first
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     if any(out.glob("*.safetensors")):
         raise FileExistsError(f"{out} already holds a checkpoint; choose an empty directory")
+    out.mkdir(parents=True, exist_ok=True)
     skeleton = build_skeleton(BuiltinLlama(), config)
     generator = torch.Generator().manual_seed(seed)
     target = torch_dtype(dtype)

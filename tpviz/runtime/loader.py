@@ -66,8 +66,11 @@ class LoadOptions:
         if self.init not in ("checkpoint", "random"):
             raise ValueError(f"init must be 'checkpoint' or 'random', not {self.init!r}")
         if self.init == "checkpoint" and not plan.has_weights:
+            # say what was there and why it is not read, not only that nothing was
+            found = [w.message for w in plan.warnings if w.code == "unused_weights"]
+            what = "; ".join(found) if found else "config.json only"
             raise ValueError(
-                f"{plan.source} holds no weights (config.json only); pass init='random' "
+                f"{plan.source} holds no weights tpviz can load ({what}); pass init='random' "
                 "(CLI: --init random --seed N) to initialise instead"
             )
 
