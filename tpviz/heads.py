@@ -15,6 +15,7 @@ own few heads.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch import nn
@@ -41,13 +42,17 @@ class HeadCut:
     what: str
 
     def cuts_a_head(self, world_size: int) -> bool:
-        part_len = self.shape[self.dim] // self.parts
-        for blocks in shard_blocks(list(self.shape), self.dim, world_size, self.parts):
-            for b in blocks:
-                start = b.offset[self.dim] % part_len
-                if start % self.unit or b.shape[self.dim] % self.unit:
-                    return True
-        return False
+        return _cuts_a_head(self.shape, self.dim, self.parts, self.unit, world_size)
+
+
+@functools.lru_cache(maxsize=4096)  # every layer repeats the same few geometries
+def _cuts_a_head(shape: tuple[int, ...], dim: int, parts: int, unit: int, world_size: int) -> bool:
+    part_len = shape[dim] // parts
+    for blocks in shard_blocks(list(shape), dim, world_size, parts):
+        for b in blocks:
+            if (b.offset[dim] % part_len) % unit or b.shape[dim] % unit:
+                return True
+    return False
 
 
 def _head_sizes(module: nn.Module) -> set[int]:
@@ -66,7 +71,8 @@ def attention_modules(model: nn.Module) -> dict[str, set[int]]:
         for name, m in model.named_modules()
         if _head_sizes(m) or type(m).__name__.endswith("Attention")
     }
-    return {n: d for n, d in found.items() if not any(o.startswith(n + ".") for o in found)}
+    outer = {".".join(n.split(".")[:i]) for n in found if n for i in range(n.count(".") + 1)}
+    return {n: d for n, d in found.items() if n not in outer}
 
 
 def _counts(module: nn.Module, counts: HeadCounts) -> tuple[int, int]:
@@ -81,8 +87,13 @@ def _counts(module: nn.Module, counts: HeadCounts) -> tuple[int, int]:
 
 
 def _owner(name: str, attention: dict[str, set[int]]) -> str | None:
-    found = [a for a in attention if name.startswith(a + ".")]
-    return max(found, key=len) if found else None
+    """The innermost attention module that holds module `name`."""
+    parts = name.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:depth])
+        if prefix in attention:
+            return prefix
+    return None
 
 
 def head_cuts(
