@@ -114,7 +114,7 @@ def head_cuts(
         if weight is None or weight.dim() <= style.weight_dim:
             continue
         attn = model.get_submodule(owner)
-        sizes = attention[owner] | {counts.head_dim}
+        sizes = attention[owner] | ({counts.head_dim} - {0})
         heads, kv = _counts(attn, counts)
         parts = 2 if style.packed else 1
         part_len = weight.shape[style.weight_dim] // parts
