@@ -162,9 +162,9 @@ def alignment_errors(cuts: list[HeadCut], world_size: int) -> list[tuple[str, st
 
 @dataclass(frozen=True)
 class HeadParam:
-    """A parameter inside head-cut attention that holds heads: `rows` = one row per head of
-    `cut` (shard it with the heads), or `spans` = the full feature width of `cut`, which no
-    per-rank slice can normalise (refuse)."""
+    """A parameter inside head-cut attention that holds heads: one row per head of the cut
+    projection `cut` (shard it with the heads), or, with `spans`, the full feature width of
+    `cut`, which no rank can apply to its own heads alone (refuse)."""
 
     name: str
     module: str
@@ -186,22 +186,24 @@ def head_params(model: nn.Module, cuts: list[HeadCut]) -> list[HeadParam]:
             if mod_name in cut_modules or isinstance(owner, (nn.Linear, nn.Embedding)):
                 continue
             for leaf, p in owner.named_parameters(recurse=False):
-                name = f"{mod_name}.{leaf}"
-                found += _holds_heads(name, mod_name, p, owner is module, attn_cuts, sizes)
+                held = _holds_heads(p, owner is module, attn_cuts, sizes)
+                if held:
+                    found.append(HeadParam(f"{mod_name}.{leaf}", mod_name, *held))
     return found
 
 
 def _holds_heads(
-    name: str, mod_name: str, p: nn.Parameter, bare: bool, cuts: list[HeadCut], sizes: set[int]
-) -> list[HeadParam]:
+    p: nn.Parameter, bare: bool, cuts: list[HeadCut], sizes: set[int]
+) -> tuple[str, bool] | None:
+    """(the cut projection whose heads `p` holds, whether it spans all of them) or None."""
     if p.dim() == 0:
-        return []
+        return None
     for c in cuts:
         # a bare parameter of the attention (sinks) or a norm's (heads, head_dim) weight
         if p.shape[0] == c.count and (bare or p.dim() >= 2):
-            return [HeadParam(name, mod_name, c.module, spans=False)]
+            return c.module, False
     for c in cuts:
         width = c.shape[c.dim] // c.parts
         if p.dim() == 1 and p.shape[0] == width and width not in sizes:
-            return [HeadParam(name, mod_name, c.module, spans=True)]
-    return []
+            return c.module, True
+    return None

@@ -611,8 +611,8 @@ PLAIN_TENSOR_STYLES = {None, "replicate", "replicated_with_grad_allreduce", "loc
 
 
 def _shard_rows(entry: TensorPlan, world_size: int) -> None:
-    """Re-place a replicated entry as shard(0), as colwise cuts it."""
-    entry.style = entry.style_given = "colwise"
+    """Re-place a replicated entry as shard(0), as colwise cuts it (the name given stays)."""
+    entry.style = "colwise"
     entry.placement, entry.pattern = "shard(0)", None
     entry.ranks = _ranks(entry.global_shape, 0, 1, world_size, torch_dtype(entry.dtype).itemsize)
 
