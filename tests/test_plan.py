@@ -255,6 +255,36 @@ def test_heads_that_a_world_size_would_cut_list_the_sizes_that_work(tiny):
     assert any("key-value heads" in m for m in messages)
 
 
+class _OddAttention(nn.Module):
+    """Names no suffix list knows: a fused qkv interleaved per head, and its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.head_dim = 16
+        self.wqkv = nn.Linear(96, 3 * 96)  # 6 heads of [q; k; v]
+        self.wo = nn.Linear(96, 96)
+
+
+class _OddModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = {"num_attention_heads": 6, "hidden_size": 96}
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"mix": _OddAttention(), "ff": nn.Linear(96, 100)}) for _ in range(2)
+        )
+
+
+def test_heads_are_found_from_the_structure_whatever_the_names():
+    with torch.device("meta"):
+        model = _OddModel()
+    plan = {"blocks.*.mix.wqkv": "colwise", "blocks.*.mix.wo": "rowwise", "blocks.*.ff": "colwise"}
+    assert not resolve_plan(model, 3, plan).errors  # 2 heads a rank; ff's 100 splits unevenly
+    (error,) = resolve_plan(model, 4, plan).errors
+    assert (error.code, error.name) == ("head_alignment", "blocks.0.mix.wqkv")
+    assert "48 features a head" in error.message
+    assert "world sizes that work: 1, 2, 3, 6" in error.message
+
+
 def test_gathered_styles_need_no_head_alignment(tiny):
     plan = resolve_plan(
         tiny,

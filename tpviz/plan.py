@@ -20,11 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import styles
+from . import heads, styles
 from .checkpoint import Checkpoint, dtype_name, torch_dtype
+from .chunks import Block, local_shape, shard_blocks
+from .chunks import chunk_offsets as chunk_offsets  # re-exported
+from .chunks import chunk_sizes as chunk_sizes  # re-exported
 from .inputs import read_json
 from .models import (
-    Alignment,
     ModelAdapter,
     adapter_for_module,
     build_skeleton,
@@ -47,12 +49,6 @@ class PlanError(ValueError):
         # said apart from the first message, whose own list (world sizes) it must not extend
         more = f"; and {n} more plan error{'s' if n > 1 else ''}" if n else ""
         super().__init__(first + more)
-
-
-@dataclass(slots=True)
-class Block:
-    offset: list[int]
-    shape: list[int]
 
 
 @dataclass(slots=True)
@@ -165,57 +161,6 @@ class ResolvedPlan:
         return cls.from_dict(json.loads(text))
 
 
-# --- chunk math -------------------------------------------------------------------------------
-
-
-def chunk_sizes(n: int, parts: int) -> list[int]:
-    """Sizes `torch.chunk` gives for `n` items in `parts` (ceil division; trailing parts may be
-    smaller or empty), padded with zeros to exactly `parts` entries, as DTensor's Shard does."""
-    step = -(-n // parts) if n else 0
-    sizes = []
-    for _ in range(parts):
-        size = min(step, n)
-        sizes.append(size)
-        n -= size
-    return sizes
-
-
-def chunk_offsets(n: int, parts: int) -> list[tuple[int, int]]:
-    """(offset, size) of every part under `chunk_sizes`."""
-    out, start = [], 0
-    for size in chunk_sizes(n, parts):
-        out.append((start, size))
-        start += size
-    return out
-
-
-def shard_blocks(
-    shape: list[int], dim: int | None, world_size: int, packed_parts: int = 1
-) -> list[list[Block]]:
-    """Blocks each rank holds, in the order they are laid out in its local tensor."""
-    if dim is None:
-        return [[Block([0] * len(shape), list(shape))] for _ in range(world_size)]
-    part_len = shape[dim] // packed_parts
-    per_rank: list[list[Block]] = [[] for _ in range(world_size)]
-    for part in range(packed_parts):
-        for rank, (start, size) in enumerate(chunk_offsets(part_len, world_size)):
-            if size:
-                offset = [0] * len(shape)
-                offset[dim] = part * part_len + start
-                block_shape = list(shape)
-                block_shape[dim] = size
-                per_rank[rank].append(Block(offset, block_shape))
-    return per_rank
-
-
-def local_shape(shape: list[int], dim: int | None, blocks: list[Block]) -> list[int]:
-    if dim is None:
-        return list(shape)
-    out = list(shape)
-    out[dim] = sum(b.shape[dim] for b in blocks)
-    return out
-
-
 # --- patterns ---------------------------------------------------------------------------------
 
 
@@ -304,10 +249,6 @@ def _module_kind(module: nn.Module) -> str:
     if isinstance(module, nn.Embedding):
         return styles.EMBEDDING
     return type(module).__name__
-
-
-def _ends_with(name: str, suffix: str) -> bool:
-    return name == suffix or name.endswith("." + suffix)
 
 
 class _Issues:
@@ -524,7 +465,11 @@ def _resolve(
             "unmatched_pattern", pattern, f"plan key {pattern!r} matches no module or tensor"
         )
 
-    _check_alignment(adapter.alignments(config), module_styles, world_size, errors)
+    cuts = heads.head_cuts(skeleton, module_styles, adapter.head_counts(config))
+    for module, message in heads.alignment_errors(cuts, world_size):
+        errors.add("head_alignment", module, message)
+    found = heads.head_params(skeleton, cuts)
+    _place_head_params(found, entries, module_styles, world_size, errors, warnings)
     for file, why in ckpt.unused.items() if ckpt is not None else ():
         warnings.add("unused_weights", file, f"{ckpt.path}/{file}: {why}; planned without it")
     if ckpt is not None and ckpt.has_weights:
@@ -603,11 +548,7 @@ def _entry(
     # computed buffers (rotary frequencies) keep the dtype the model computes them in
     cast = tensor.dtype.is_floating_point and origin == "checkpoint"
     dtype = target if cast else tensor.dtype
-    itemsize = dtype.itemsize
-    ranks = []
-    for rank, blocks in enumerate(shard_blocks(shape, dim, world_size, parts)):
-        lshape = local_shape(shape, dim, blocks)
-        ranks.append(RankShard(rank, lshape, math.prod(lshape) * itemsize, blocks))
+    ranks = _ranks(shape, dim, parts, world_size, dtype.itemsize)
     return TensorPlan(
         name=name,
         module=module,
@@ -624,33 +565,65 @@ def _entry(
     )
 
 
-def working_world_sizes(counts: list[int], limit: int = 1024) -> list[int]:
-    g = math.gcd(*counts) if counts else 1
-    return [w for w in range(1, min(g, limit) + 1) if g % w == 0]
+def _ranks(
+    shape: list[int], dim: int | None, parts: int, world_size: int, itemsize: int
+) -> list[RankShard]:
+    ranks = []
+    for rank, blocks in enumerate(shard_blocks(shape, dim, world_size, parts)):
+        lshape = local_shape(shape, dim, blocks)
+        ranks.append(RankShard(rank, lshape, math.prod(lshape) * itemsize, blocks))
+    return ranks
 
 
-def _check_alignment(
-    alignments: list[Alignment], module_styles: dict[str, str], world_size: int, errors: _Issues
+def _place_head_params(
+    found: list[heads.HeadParam],
+    entries: list[TensorPlan],
+    module_styles: dict[str, str],
+    world_size: int,
+    errors: _Issues,
+    warnings: _Issues,
 ) -> None:
-    """Heads must not be cut where a style leaves the sharded features visible to the model."""
-    exposed: dict[tuple[str, int], list[str]] = {}  # (what, count) -> modules
-    for mod_name, style_name in module_styles.items():
-        style = styles.STYLES[style_name]
-        for a in alignments:
-            if not _ends_with(mod_name, a.suffix) or style.weight_dim != a.dim:
-                continue
-            if (a.dim == 0 and style.local_output) or (a.dim == 1 and style.local_input):
-                exposed.setdefault((a.what, a.count), []).append(mod_name)
-    works = working_world_sizes([count for _, count in exposed])
-    for (what, count), mods in exposed.items():
-        if count % world_size:
+    """Parameters that hold one row per head follow their heads (sharded by head where the
+    plan left them whole); a norm spanning all heads of a cut projection is refused."""
+    by_name = {e.name: e for e in entries}
+    resharded: dict[str, list[TensorPlan]] = {}  # layer-folded name -> entries
+    for hp in found:
+        entry = by_name.get(hp.name)
+        if entry is None:
+            continue
+        if hp.spans:
             errors.add(
-                "head_alignment",
-                mods[0],
-                f"{count} {what} cannot be split over {world_size} ranks: the plan shards "
-                f"{len(mods)} module(s) by head (e.g. {mods[0]}) and would cut a head; world "
-                f"sizes that work: {', '.join(map(str, works))}",
+                "head_parameter",
+                hp.module,
+                f"{hp.module}: {hp.name} {entry.global_shape} spans the features of all heads "
+                f"of {hp.cut}, which the plan cuts by head, so no rank can apply it to its own "
+                "heads; gather its output instead (colwise_gather_output, and rowwise_split_input "
+                "on the output projection)",
             )
+        elif entry.placement == "replicate" and module_styles.get(hp.module) in PLAIN_TENSOR_STYLES:
+            _shard_rows(entry, world_size)
+            module_styles[hp.module] = "local_params"
+            resharded.setdefault(re.sub(r"\.\d+\.", ".*.", hp.name), []).append(entry)
+    for folded, found in resharded.items():
+        warnings.add(
+            "sharded_by_head",
+            found[0].name,
+            f"{folded} ({len(found)} tensor(s), {found[0].global_shape}) holds one row per "
+            "head of a projection the plan cuts by head; tpviz shards it by head too "
+            "(shard(0)), so each rank applies its own heads' rows",
+        )
+
+
+# Module styles that compute with their parameters as plain tensors (None: no style given),
+# so a parameter re-placed by head is used as the rank's own rows.
+PLAIN_TENSOR_STYLES = {None, "replicate", "replicated_with_grad_allreduce", "local_params"}
+
+
+def _shard_rows(entry: TensorPlan, world_size: int) -> None:
+    """Re-place a replicated entry as shard(0), as colwise cuts it (the name given stays)."""
+    entry.style = "colwise"
+    entry.placement, entry.pattern = "shard(0)", None
+    entry.ranks = _ranks(entry.global_shape, 0, 1, world_size, torch_dtype(entry.dtype).itemsize)
 
 
 def _check_checkpoint(entries: list[TensorPlan], ckpt: Checkpoint, errors: _Issues) -> None:

@@ -21,17 +21,27 @@ from torch import nn
 
 from .config import ConfigError, LlamaDims, read_config
 
-__all__ = ["Alignment", "ModelAdapter", "ConfigError", "get_adapter", "read_config"]
+__all__ = ["HeadCounts", "ModelAdapter", "ConfigError", "get_adapter", "read_config"]
 
 
 @dataclass(frozen=True)
-class Alignment:
-    """Modules whose weight dim `dim` holds `count` indivisible units (attention heads)."""
+class HeadCounts:
+    """The config's attention heads; an attention module's own attributes take precedence."""
 
-    suffix: str  # matched against module names at a segment boundary
-    dim: int
-    count: int
-    what: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> HeadCounts | None:
+        """From a config dict or object (transformers' maps `n_head` and such onto these)."""
+        get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+        heads = get("num_attention_heads")
+        if not isinstance(heads, int) or heads < 1:
+            return None
+        hidden = get("hidden_size")
+        head_dim = get("head_dim") or (hidden // heads if isinstance(hidden, int) else 0)
+        return cls(heads, get("num_key_value_heads") or heads, int(head_dim))
 
 
 class ModelAdapter:
@@ -51,8 +61,8 @@ class ModelAdapter:
         config = getattr(model, "config", None)
         return config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
 
-    def alignments(self, config: dict[str, Any]) -> list[Alignment]:
-        return []
+    def head_counts(self, config: dict[str, Any]) -> HeadCounts | None:
+        return HeadCounts.from_config(config)
 
     def compute_buffers(self, model: nn.Module, device: torch.device) -> None:
         """Give non-persistent buffers (rotary caches) real values after a meta build."""
@@ -97,22 +107,6 @@ class BuiltinLlama(ModelAdapter):
         from .llama import DEFAULT_PLAN
 
         return dict(DEFAULT_PLAN)
-
-    def alignments(self, config: dict[str, Any]) -> list[Alignment]:
-        dims = LlamaDims.from_config(config)
-        return attention_alignments(dims.num_heads, dims.num_kv_heads)
-
-
-def attention_alignments(heads: int, kv_heads: int) -> list[Alignment]:
-    return [
-        Alignment("self_attn.q_proj", 0, heads, "attention heads"),
-        Alignment("self_attn.k_proj", 0, kv_heads, "key-value heads"),
-        Alignment("self_attn.v_proj", 0, kv_heads, "key-value heads"),
-        Alignment("self_attn.o_proj", 1, heads, "attention heads"),
-        # multi-head latent attention (MiniCPM3, DeepSeek-V2): the up-projections hold heads
-        Alignment("self_attn.q_b_proj", 0, heads, "attention heads"),
-        Alignment("self_attn.kv_b_proj", 0, heads, "attention heads"),
-    ]
 
 
 class FactoryAdapter(ModelAdapter):

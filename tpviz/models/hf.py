@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import Alignment, ModelAdapter, attention_alignments
+from . import HeadCounts, ModelAdapter
 from .config import ConfigError
 
 
@@ -79,12 +79,8 @@ class HFAdapter(ModelAdapter):
         config's `base_model_tp_plan`, the embedding it adds, and the children's plans."""
         return dict(getattr(model, "tp_plan", None) or {})
 
-    def alignments(self, config: dict[str, Any]) -> list[Alignment]:
-        text = self.hf_config.get_text_config()
-        heads = getattr(text, "num_attention_heads", None)
-        if not heads:
-            return []
-        return attention_alignments(heads, getattr(text, "num_key_value_heads", None) or heads)
+    def head_counts(self, config: dict[str, Any]) -> HeadCounts | None:
+        return HeadCounts.from_config(self.hf_config.get_text_config())
 
     def compute_buffers(self, model: nn.Module, device: torch.device) -> None:
         """Non-persistent buffers (rotary frequencies) get real storage, then the values

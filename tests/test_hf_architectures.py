@@ -1,0 +1,188 @@
+"""Dense transformers architectures beyond tests/test_hf.py, each built with transformers' own
+config and model classes, saved with `save_pretrained` into several files, loaded by tpviz
+with the plan transformers computes and compared with transformers' own single-process logits.
+
+One job per case (a spawn costs seconds); the plan checks run in-process.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tpviz
+from tpviz import cli
+from tpviz.models import FIXED_PROMPT
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(
+    vocab_size=1003,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+# name -> (model_type, changes to COMMON; None drops a key)
+ARCHS: dict[str, tuple[str, dict]] = {
+    "gemma2": ("gemma2", dict(head_dim=16)),
+    "gemma3_text": ("gemma3_text", dict(head_dim=16)),
+    "cohere": ("cohere", {}),
+    "cohere_qk_norm": ("cohere", dict(use_qk_norm=True)),  # q/k norms shaped heads x head_dim
+    "cohere2": ("cohere2", {}),
+    "starcoder2": ("starcoder2", {}),
+    "stablelm": ("stablelm", {}),
+    "olmo": ("olmo", {}),
+    "olmo3": ("olmo3", {}),
+    "glm": ("glm", {}),
+    "glm4": ("glm4", {}),
+    "helium": ("helium", dict(head_dim=16)),
+    "smollm3": ("smollm3", {}),
+    "exaone4": ("exaone4", {}),
+    "arcee": ("arcee", {}),
+    "apertus": ("apertus", {}),
+    "seed_oss": ("seed_oss", dict(head_dim=16)),
+    "ernie4_5": ("ernie4_5", dict(head_dim=16)),
+    "hunyuan_v1_dense": (
+        "hunyuan_v1_dense",
+        dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    ),
+    "gpt_neox": ("gpt_neox", dict(num_key_value_heads=None)),  # fused, interleaved qkv
+    "falcon": ("falcon", {}),
+    "phi": ("phi", {}),
+    "nemotron": ("nemotron", {}),
+    "bitnet": ("bitnet", {}),
+    # 6 heads / 3 kv heads over 3 ranks; the MLP (256) and the vocabulary (1003) split unevenly
+    "starcoder2_uneven": (
+        "starcoder2",
+        dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3),
+    ),
+}
+# (name, world size, dtype); bfloat16 against transformers in bfloat16
+CASES = [(name, 2, "float32") for name in ARCHS if name != "starcoder2_uneven"] + [
+    ("gemma2", 2, "bfloat16"),
+    ("cohere_qk_norm", 2, "bfloat16"),
+    ("glm", 2, "bfloat16"),
+    ("cohere_qk_norm", 4, "float32"),
+    ("starcoder2_uneven", 3, "float32"),
+]
+TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
+
+
+def make_config(name: str):
+    model_type, changes = ARCHS[name]
+    merged = {**COMMON, **changes}
+    return transformers.AutoConfig.for_model(
+        model_type, **{k: v for k, v in merged.items() if v is not None}
+    )
+
+
+@pytest.fixture(scope="session")
+def arch_checkpoint(tmp_path_factory):
+    """name -> checkpoint dir, each built once per session on first use."""
+    root = tmp_path_factory.mktemp("hf-archs")
+    built: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in built:
+            torch.manual_seed(sorted(ARCHS).index(name))
+            model = transformers.AutoModelForCausalLM.from_config(make_config(name))
+            with torch.no_grad():  # norms away from one, so a misplaced row shows
+                for n, p in model.named_parameters():
+                    if "norm" in n:
+                        p.add_(0.1 * torch.randn_like(p))
+            model.save_pretrained(root / name, max_shard_size="300KB")
+            built[name] = root / name
+        return built[name]
+
+    return get
+
+
+def transformers_logits(source, dtype: str) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        source, dtype=getattr(torch, dtype)
+    ).eval()
+    with torch.no_grad():
+        return model(torch.tensor(FIXED_PROMPT) % 1003).logits.float()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, world_size, dtype", CASES)
+def test_logits_match_transformers(arch_checkpoint, name, world_size, dtype):
+    source = arch_checkpoint(name)
+    assert len(list(source.glob("*.safetensors"))) > 1
+    expected = transformers_logits(source, dtype)
+    with tpviz.launch(source, world_size, dtype=dtype, verify=False) as job:
+        result = job.wait(180)
+        logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
+    assert result["plan_matches_shards"]
+    assert (logits.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
+def test_gpt_neox_fused_qkv_at_world_size_3_names_the_module(arch_checkpoint, capsys):
+    source = str(arch_checkpoint("gpt_neox"))  # 8 heads, qkv interleaved per head
+    assert cli.main(["plan", source, "--world-size", "3", "--json"]) == 2
+    errors = json.loads(capsys.readouterr().out)["errors"]
+    (error,) = [e for e in errors if e["code"] == "head_alignment"]
+    assert error["name"] == "gpt_neox.layers.0.attention.query_key_value"
+    assert "world sizes that work: 1, 2, 4, 8" in error["message"]
+    for world_size in (2, 4, 8):
+        plan = tpviz.resolve_plan(source, world_size)
+        assert "head_alignment" not in {e.code for e in plan.errors}
+
+
+def test_per_head_norms_are_sharded_with_their_heads(arch_checkpoint):
+    plan = tpviz.resolve_plan(arch_checkpoint("cohere_qk_norm"), 4)
+    assert not plan.errors
+    q_norm = plan.tensor("model.layers.1.self_attn.q_norm.weight")  # 8 heads x 16
+    k_norm = plan.tensor("model.layers.1.self_attn.k_norm.weight")  # 4 kv heads x 16
+    assert (q_norm.style, q_norm.placement) == ("colwise", "shard(0)")
+    assert [r.shape for r in q_norm.ranks] == [[2, 16]] * 4
+    assert [r.shape for r in k_norm.ranks] == [[1, 16]] * 4
+    assert plan.module_styles["model.layers.1.self_attn.q_norm"] == "local_params"
+    (warning,) = [w for w in plan.warnings if w.name.endswith("layers.0.self_attn.q_norm.weight")]
+    assert warning.code == "sharded_by_head" and "layers.*.self_attn.q_norm" in warning.message
+    # heads kept whole by the plan leave the norm whole too
+    gathered = {
+        k: {"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"}[v]
+        if ".self_attn." in k
+        else v
+        for k, v in plan.patterns.items()
+    }
+    whole = tpviz.resolve_plan(arch_checkpoint("cohere_qk_norm"), 4, gathered)
+    assert whole.tensor("model.layers.1.self_attn.q_norm.weight").placement == "replicate"
+    assert not whole.errors and not whole.warnings
+
+
+def test_attention_sinks_left_whole_by_a_plan_are_sharded_by_head(tmp_path):
+    transformers.GraniteSWAConfig(**COMMON).save_pretrained(tmp_path)
+    patterns = tpviz.resolve_plan(tmp_path, 2).patterns
+    mine = {k: v for k, v in patterns.items() if not k.endswith(("sinks", "self_attn"))}
+    plan = tpviz.resolve_plan(tmp_path, 2, mine)
+    sinks = plan.tensor("model.layers.0.self_attn.sinks")
+    assert (sinks.placement, [r.shape for r in sinks.ranks]) == ("shard(0)", [[4], [4]])
+    assert {w.code for w in plan.warnings} == {"sharded_by_head"}
+
+
+def test_a_norm_spanning_all_heads_of_a_cut_projection_is_refused(tmp_path, capsys):
+    # OLMo-2 normalises q and k over all heads at once; transformers' plan gathers them, a
+    # plan that keeps them sharded by head cannot run
+    transformers.AutoConfig.for_model("olmo2", **COMMON).save_pretrained(tmp_path / "olmo2")
+    plan = {
+        **{f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+        "layers.*.self_attn.o_proj": "rowwise",
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    argv = ["plan", str(tmp_path / "olmo2"), "--plan", str(tmp_path / "plan.json"), "--json"]
+    assert cli.main(argv) == 2
+    errors = json.loads(capsys.readouterr().out)["errors"]
+    assert {e["code"] for e in errors} == {"head_parameter"}
+    assert errors[0]["name"] == "model.layers.0.self_attn.q_norm"
+    assert "colwise_gather_output" in errors[0]["message"]
