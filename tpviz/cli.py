@@ -16,6 +16,10 @@ INVALID_INPUT = 2
 FAILURE = 1
 
 
+SOURCE_HELP = "checkpoint dir (Hugging Face layout), or a dir holding only config.json"
+JSON_HELP = "print the result as JSON on stdout (also on failure, then with errors)"
+
+
 class InvalidInput(Exception):
     pass
 
@@ -29,11 +33,16 @@ def _shared(p: argparse.ArgumentParser) -> None:
         help="target dtype (default: the checkpoint's)",
     )
     p.add_argument("--model", default="auto", help="auto, builtin, hf or PKG.MOD:FN (default auto)")
-    p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def _load_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: gloo ranks; cuda: one GPU per rank, nccl (default cpu)",
+    )
     p.add_argument(
         "--verify",
         action="store_true",
@@ -45,7 +54,7 @@ def _load_flags(p: argparse.ArgumentParser) -> None:
         default="checkpoint",
         help="random: initialise from --seed instead of loading",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of --init random (default 0)")
     p.add_argument("--profile", metavar="DIR", help="write torch.profiler traces for TensorBoard")
     p.add_argument(
         "--profile-forward",
@@ -61,42 +70,69 @@ def _load_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="tpviz", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"tpviz {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("make-checkpoint", help="write a deterministic Llama-family checkpoint")
-    p.add_argument("directory")
-    p.add_argument("--preset", choices=["tiny", "small", "medium"], default="tiny")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--tie-embeddings", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("directory", help="where to write it (created; must not hold a checkpoint)")
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "small", "medium"],
+        default="tiny",
+        help="model size in float32: tiny (2.4 MiB), small (143 MiB), medium (610 MiB) "
+        "(default tiny)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="dtype of the stored tensors (default float32)",
+    )
+    p.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        help="share one tensor between the embedding and lm_head (no lm_head.weight stored)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--max-shard-size", type=int, help="bytes per .safetensors file")
     for dim in ("layers", "hidden", "intermediate", "heads", "kv-heads", "vocab"):
         p.add_argument(f"--{dim}", type=int, help=f"override the preset's {dim}")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("plan", help="resolve a TP plan and show what every rank holds")
-    p.add_argument("source", help="checkpoint dir, or a dir holding only config.json")
+    p.add_argument("source", help=SOURCE_HELP)
     _shared(p)
     p.add_argument("--full", action="store_true", help="one row per tensor (no folding)")
 
     p = sub.add_parser("load", help="load a checkpoint on local ranks")
-    p.add_argument("source")
+    p.add_argument("source", help=SOURCE_HELP)
     _shared(p)
     p.add_argument(
-        "--strategy", choices=["sliced", "rank0_broadcast", "replicated"], default="sliced"
+        "--strategy",
+        choices=["sliced", "rank0_broadcast", "replicated"],
+        default="sliced",
+        help="sliced: each rank reads its own slices; rank0_broadcast: rank 0 reads and sends; "
+        "replicated: every rank loads the whole model, keeps its shards (default sliced)",
     )
     _load_flags(p)
 
     p = sub.add_parser("compare", help="load with every strategy in turn and compare")
-    p.add_argument("source")
+    p.add_argument("source", help=SOURCE_HELP)
     _shared(p)
     _load_flags(p)
 
     p = sub.add_parser("demo", help="make the demo checkpoint, show its plan, load it")
-    p.add_argument("--preset", choices=["tiny", "small", "medium"], default="small")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "small", "medium"],
+        default="small",
+        help="demo checkpoint size, made once in a cache dir (default small)",
+    )
+    p.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     return parser
 
 
