@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 INVALID_INPUT = 2
@@ -17,6 +16,7 @@ FAILURE = 1
 
 
 SOURCE_HELP = "checkpoint dir (Hugging Face layout), or a dir holding only config.json"
+STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
 JSON_HELP = "print the result as JSON on stdout (also on failure, then with errors)"
 
 
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     _shared(p)
     p.add_argument(
         "--strategy",
-        choices=["sliced", "rank0_broadcast", "replicated"],
+        choices=STRATEGIES,
         default="sliced",
         help="sliced: each rank reads its own slices; rank0_broadcast: rank 0 reads and sends; "
         "replicated: every rank loads the whole model, keeps its shards (default sliced)",
@@ -225,6 +225,7 @@ def _launch_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_load(args: argparse.Namespace) -> int:
     from .launcher import launch
+    from .progress import follow
     from .report import load_table
 
     plan = _resolve(args)
@@ -233,7 +234,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     with launch(
         args.source, args.world_size, plan, strategy=args.strategy, **_launch_kwargs(args)
     ) as job:
-        result = _follow(job, show=not args.json)
+        result = follow(job, show=not args.json)
     errors = list(result.get("output_errors", []))
     if report:
         errors += _write_report(report, plan, [result], [job.events])
@@ -248,23 +249,35 @@ def _succeeded(result: dict[str, Any]) -> bool:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from .launcher import compare
+    from .progress import follow
     from .report import compare_table, load_table
 
     plan = _resolve(args)
     plan.raise_for_errors()
     events: list = []
 
-    def follow(job) -> dict[str, Any]:
-        result = _follow(job, show=not args.json)
+    def follow_labelled(job) -> dict[str, Any]:
+        # each strategy's progress names it: "[2/3] rank0_broadcast: loading on 2 ranks ..."
+        label = f"[{len(events) + 1}/{len(STRATEGIES)}] {job.options.strategy}"
+        result = follow(job, show=not args.json, label=label)
         events.append(job.events)
         return result
 
     report = _check_report(args)
-    results = compare(args.source, args.world_size, plan, follow=follow, **_launch_kwargs(args))
+    results = compare(
+        args.source,
+        args.world_size,
+        plan,
+        strategies=STRATEGIES,
+        follow=follow_labelled,
+        **_launch_kwargs(args),
+    )
     errors = [e for r in results for e in r.get("output_errors", [])]
     if report:
         errors += _write_report(report, plan, results, events)
-    text = "\n\n".join([*(load_table(r) for r in results), compare_table(results)])
+    text = "\n\n".join(
+        [*(load_table(r) for r in results), "comparison:\n" + compare_table(results)]
+    )
     ok = all(_succeeded(r) for r in results)
     return _finish(args, {"strategies": results}, text, errors, ok)
 
@@ -287,6 +300,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .launcher import launch
     from .models.demo import cache_dir, demo_checkpoint
     from .plan import resolve_plan
+    from .progress import follow
     from .report import load_table, plan_table
 
     if not (cache_dir() / f"demo-{args.preset}" / "config.json").exists():
@@ -297,7 +311,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"plan for {source}:\n{plan_table(plan)}\n")
     with launch(source, args.world_size, plan, verify=True) as job:
-        result = _follow(job, show=not args.json)
+        result = follow(job, show=not args.json)
     _emit(args, result, load_table(result))
     return 0 if _succeeded(result) else FAILURE
 
@@ -309,75 +323,6 @@ COMMANDS = {
     "compare": cmd_compare,
     "demo": cmd_demo,
 }
-
-
-# --- progress ---------------------------------------------------------------------------------
-
-
-def _follow(job, show: bool) -> dict[str, Any]:
-    """Wait for the job, drawing one progress bar per rank on a terminal (plain lines at
-    phase changes elsewhere)."""
-    if not show:
-        return job.wait()
-    if not sys.stderr.isatty():
-        return _follow_plain(job)
-    from tqdm import tqdm
-
-    from .report import human_bytes
-
-    bars = [
-        tqdm(
-            total=1,
-            position=r,
-            desc=f"rank {r}",
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            leave=True,
-            file=sys.stderr,
-            dynamic_ncols=True,
-        )
-        for r in job.progress
-    ]
-    try:
-        while True:
-            try:
-                return job.wait(timeout=0.1)
-            except TimeoutError:
-                pass
-            finally:
-                for rank, bar in enumerate(bars):
-                    p = job.progress[rank]
-                    bar.total = max(p.bytes_total, 1)
-                    bar.n = p.bytes_done
-                    where = p.module or p.phase
-                    bar.set_postfix_str(
-                        f"{p.units_done}/{p.units_total or '?'} modules "
-                        f"{human_bytes(p.bytes_done)} {where}",
-                        refresh=False,
-                    )
-                    bar.refresh()
-    finally:
-        for bar in bars:
-            bar.close()
-
-
-def _follow_plain(job) -> dict[str, Any]:
-    seen: dict[int, str] = {}
-    while True:
-        try:
-            return job.wait(timeout=0.25)
-        except TimeoutError:
-            pass
-        finally:
-            for rank, p in job.progress.items():
-                if seen.get(rank) != p.phase:
-                    seen[rank] = p.phase
-                    print(
-                        f"rank {rank}: {p.phase} ({p.units_done}/{p.units_total or '?'} "
-                        f"modules) at {time.strftime('%H:%M:%S')}",
-                        file=sys.stderr,
-                    )
 
 
 def _check_report(args: argparse.Namespace) -> str | None:
