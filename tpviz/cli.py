@@ -144,11 +144,25 @@ def main(argv: list[str] | None = None) -> int:
         return FAILURE
     except Exception as e:  # noqa: BLE001 - the CLI's one place that turns errors into exit codes
         code = INVALID_INPUT if _is_invalid_input(e) else FAILURE
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
         if getattr(args, "json", False):
-            print(json.dumps({"errors": [{"code": type(e).__name__, "message": str(e)}]}))
-        print(f"tpviz {args.command}: {message}", file=sys.stderr)
+            print(json.dumps({"errors": _error_list(e)}))
+        print(f"tpviz {args.command}: {_first_line(e)}", file=sys.stderr)
         return code
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _error_list(e: Exception) -> list[dict[str, str]]:
+    """The JSON `errors`: a plan's full list of issues, else the one exception."""
+    from dataclasses import asdict
+
+    from .plan import PlanError
+
+    if isinstance(e, PlanError) and e.errors:
+        return [asdict(i) for i in e.errors]
+    return [{"code": type(e).__name__, "message": str(e)}]
 
 
 def _is_invalid_input(e: Exception) -> bool:
@@ -202,11 +216,16 @@ def _resolve(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from .plan import PlanError
     from .report import plan_table
 
     plan = _resolve(args)
     _emit(args, plan.to_dict(), plan_table(plan, full=args.full))
-    return INVALID_INPUT if plan.errors else 0
+    if not plan.errors:
+        return 0
+    # stdout keeps every error (table or JSON); stderr gets the contract's one line
+    print(f"tpviz plan: {_first_line(PlanError(plan.errors))}", file=sys.stderr)
+    return INVALID_INPUT
 
 
 def _launch_kwargs(args: argparse.Namespace) -> dict[str, Any]:
