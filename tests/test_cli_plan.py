@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
 
 from tpviz.cli import main
 from tpviz.report import human_bytes
@@ -33,6 +36,18 @@ def test_make_checkpoint_then_plan_json(tmp_path):
     lm_head = next(p for p in plan["params"] if p["name"] == "lm_head.weight")
     assert [r["shape"] for r in lm_head["ranks"]] == [[501, 128], [500, 128]]
     assert set(plan["forecast"]) == {"sliced", "rank0_broadcast", "replicated"}
+
+
+def test_make_checkpoint_says_mib_and_writes_files_with_the_umask_mode(tmp_path, capsys):
+    old = os.umask(0o027)
+    try:
+        assert main(["make-checkpoint", str(tmp_path / "ck"), "--max-shard-size", "600000"]) == 0
+    finally:
+        os.umask(old)
+    out = capsys.readouterr().out
+    assert re.search(r"\(2\.4 MiB\)", out) and " MB" not in out
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "ck").iterdir()}
+    assert len(modes) > 3 and set(modes.values()) == {0o640}, modes
 
 
 def test_plan_table_for_a_70b_config_adds_up(tmp_path, capsys):

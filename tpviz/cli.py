@@ -184,6 +184,7 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     from .models.demo import DEFAULT_MAX_SHARD_SIZE, make_checkpoint
+    from .report import human_bytes
 
     out = make_checkpoint(
         args.directory,
@@ -204,7 +205,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     _emit(
         args,
         {"directory": str(out), "files": files, "bytes": size},
-        f"wrote {out} ({size / 1e6:.1f} MB): {', '.join(files)}",
+        f"wrote {out} ({human_bytes(size)}): {', '.join(files)}",
     )
     return 0
 
