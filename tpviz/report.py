@@ -182,9 +182,26 @@ def load_table(result: dict[str, Any]) -> str:
                 )
             )
     profile = result.get("profile")
-    if profile and all((r or {}).get("error") is None for r in profile["ranks"]):
-        lines.append(f"profile traces: {profile['dir']} (tensorboard --logdir {profile['dir']})")
+    if profile:
+        lines += _profile_lines(profile)
     return "\n".join(lines)
+
+
+def _profile_lines(profile: dict[str, Any], top: int = 3) -> list[str]:
+    """Per rank: seconds reading, copying and in collectives, and its slowest modules."""
+    ranks = [(r, s) for r, s in enumerate(profile["ranks"]) if s]
+    headers = ["rank", "read s", "copy s", "collective s", "slowest modules", "s"]
+    rows = []
+    for r, s in ranks:
+        totals = [f"{s[k]:.3f}" for k in ("read_seconds", "copy_seconds", "collective_seconds")]
+        units = s["slowest_units"][:top] or [{"module": "-", "seconds": 0.0}]
+        for i, unit in enumerate(units):
+            first = [r, *totals] if i == 0 else [""] * 4
+            rows.append([*first, unit["module"], f"{unit['seconds']:.3f}"])
+    lines = ["profile:", table(headers, rows, right=(1, 2, 3, 5))] if rows else []
+    if all(s.get("error") is None for _, s in ranks):
+        lines.append(f"profile traces: {profile['dir']} (tensorboard --logdir {profile['dir']})")
+    return lines
 
 
 def compare_table(results: list[dict[str, Any]]) -> str:
