@@ -26,7 +26,8 @@ _CSS = """<style>
   overflow-wrap: anywhere; }
 .tpviz-plan td:first-child { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
 .tpviz-plan summary { cursor: pointer; padding: 3px 0; font-weight: 600; }
-.tpviz-badge { border-radius: 8px; padding: 0 6px; color: #222; font-size: 11px; }
+.tpviz-badge { border-radius: 8px; padding: 0 6px; color: #222; font-size: 11px;
+  display: inline-block; white-space: nowrap; }
 .tpviz-empty { color: #b00020; font-weight: 600; }
 .tpviz-issues div { padding: 4px 8px; margin: 2px 0; border-radius: 4px; }
 .tpviz-issues .error { background: #fde7e9; color: #8b0016; }
@@ -114,7 +115,7 @@ def table_html(plan: ResolvedPlan, tensors: list[TensorPlan], open_all: bool = F
         opened = " open" if open_all or first_layer else ""
         first_layer = False
         out.append(
-            f"<details{opened}><summary>{escape(layer)}: {len(rows)} tensors, "
+            f"<details{opened}><summary>{escape(layer)}: {figures.count(len(rows), 'tensor')}, "
             f"{human_bytes(per_rank)} on rank 0 {styles}</summary>{table}</details>"
         )
     if not tensors:
@@ -264,7 +265,7 @@ class PlanView(widgets.VBox):
         )
         return (
             f"<b>{escape(str(plan.source))}</b><br>{plan.world_size} rank(s), {plan.dtype}, "
-            f"{len(plan.params)} tensors, model {human_bytes(plan.total_bytes)}; "
+            f"{figures.count(len(plan.params), 'tensor')}, model {human_bytes(plan.total_bytes)}; "
             f"per rank: {per_rank}"
         )
 
