@@ -192,6 +192,19 @@ def test_a_forecast_peak_equal_to_the_shard_is_one_line_labelled_both(tiny, dtyp
         assert peak.visible is (not same)
 
 
+def test_overlaid_loads_keep_a_short_legend_grouped_per_load(tiny):
+    plan = resolve_plan(tiny, 2)
+    runs = [figures.memory_run(plan, s, s) for s in ("sliced", "rank0_broadcast", "replicated")]
+    fig = figures.memory_figure(runs, "rss_growth")
+    listed = [t for t in fig.data if t.showlegend is not False]
+    assert [t.name for t in listed] == [f"{r.label} rank {k}" for r in runs for k in (0, 1)]
+    assert [t.legendgroup for t in listed] == [r.label for r in runs for _ in (0, 1)]
+    assert all(t.meta["kind"] == "memory" for t in listed) and len(fig.data) == 18
+    # a click on an entry toggles its whole load; the legend sits below the plot
+    assert fig.layout.legend.groupclick == "togglegroup"
+    assert fig.layout.legend.orientation == "h" and fig.layout.legend.y < 0
+
+
 def test_counts_say_tensor_for_one():
     assert figures.count(1, "tensor") == "1 tensor" and figures.count(2, "tensor") == "2 tensors"
 
@@ -310,7 +323,9 @@ def test_plan_view_table_filters_badges_and_issues(tiny):
     table = view.table.value
     assert table.count("<details") == 2  # one per layer, collapsible
     assert "tpviz-badge" in table and "embed_tokens" in table
-    assert "176×128 · 88.0 KiB" in table  # up_proj's shard on each rank
+    # up_proj's shard on each rank; shape and bytes each kept whole (a cell wraps between them)
+    nowrap = '<span class="tpviz-nw">{}</span>'
+    assert f"{nowrap.format('176×128')} · {nowrap.format('88.0 KiB')}" in table
     assert "unmatched_pattern" in view.issues.value and "w9" in view.issues.value
     view.name_filter.value = "layers.1.*proj"
     names = {t.name for t in view.visible_tensors()}

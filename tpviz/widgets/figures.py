@@ -419,10 +419,11 @@ class MemoryRun:
 
 def rank_traces(run: MemoryRun, rank: int, measure: str, unit: str = "MiB") -> list[go.Scatter]:
     """The rank's memory line, then its forecast final shard and forecast peak (dashed), in
-    `unit`."""
+    `unit`. The legend lists the memory lines only, grouped by load: a click toggles the load's
+    lines and forecasts together, so overlaid loads stay a short legend."""
     color = rank_color(run.color_offset + rank)
     xs, ys = run.series.xy(rank, measure)
-    group = f"{run.label}-{rank}"
+    group = run.label
     traces = [
         go.Scatter(
             x=xs,
@@ -431,6 +432,7 @@ def rank_traces(run: MemoryRun, rank: int, measure: str, unit: str = "MiB") -> l
             line={"color": color, "width": 2},
             name=f"{run.label} rank {rank}",
             legendgroup=group,
+            legendgrouptitle={"text": run.label},
             hovertemplate=f"%{{y:.2f}} {unit} at %{{x:.2f}} s",
             meta={"kind": "memory", "rank": rank, "run": run.label},
         )
@@ -459,6 +461,7 @@ def rank_traces(run: MemoryRun, rank: int, measure: str, unit: str = "MiB") -> l
                 name=f"{run.label} rank {rank} {label or kind.replace('_', ' ')}",
                 visible=not (same and kind == "forecast_peak"),
                 legendgroup=group,
+                showlegend=False,
                 hovertemplate=f"%{{y:.2f}} {unit}",
                 meta={"kind": kind, "rank": rank, "run": run.label},
             )
@@ -493,9 +496,10 @@ def memory_layout(measure: str, unit: str = "MiB") -> dict[str, Any]:
         "title": titled(f"Memory per rank: {label}", note),
         "xaxis": {"title": "seconds since loading began", "zeroline": True},
         "yaxis": {"title": unit},
-        "legend": {"groupclick": "toggleitem"},
-        "height": 440,
-        "margin": {"t": 80, "b": 50},
+        # below the plot, so that entries never squeeze it
+        "legend": {"groupclick": "togglegroup", "orientation": "h", "yanchor": "top", "y": -0.2},
+        "height": 480,
+        "margin": {"t": 80, "b": 90},
         "uirevision": "memory",  # keep the user's zoom across redraws
     }
 

@@ -29,6 +29,7 @@ _CSS = """<style>
 .tpviz-badge { border-radius: 8px; padding: 0 6px; color: #222; font-size: 11px;
   display: inline-block; white-space: nowrap; }
 .tpviz-empty { color: #b00020; font-weight: 600; }
+.tpviz-nw { white-space: nowrap; }
 .tpviz-issues div { padding: 4px 8px; margin: 2px 0; border-radius: 4px; }
 .tpviz-issues .error { background: #fde7e9; color: #8b0016; }
 .tpviz-issues .warning { background: #fff4d6; color: #6b4500; }
@@ -61,14 +62,20 @@ def issues_html(plan: ResolvedPlan | None, failure: str | None = None) -> str:
     return f'<div class="tpviz-issues">{"".join(lines)}</div>'
 
 
+def _nowrap(text: str) -> str:
+    return f'<span class="tpviz-nw">{text}</span>'
+
+
 def _rank_cell(t: TensorPlan, rank: int) -> str:
+    """Shape and bytes each kept whole: a narrow cell wraps between them, never inside one."""
     shard = t.ranks[rank]
+    shape = _nowrap(figures.shape_text(shard.shape))
     if t.shard_dim is None:
-        return f"{figures.shape_text(shard.shape)} full · {human_bytes(shard.bytes)}"
+        return f"{shape} full · {_nowrap(human_bytes(shard.bytes))}"
     if not shard.blocks:
-        return f'<span class="tpviz-empty">empty ({figures.shape_text(shard.shape)})</span>'
+        return f'<span class="tpviz-empty">empty ({shape})</span>'
     parts = f" in {len(shard.blocks)} blocks" if len(shard.blocks) > 1 else ""
-    return f"{figures.shape_text(shard.shape)}{parts} · {human_bytes(shard.bytes)}"
+    return f"{shape}{parts} · {_nowrap(human_bytes(shard.bytes))}"
 
 
 def _table(rows: list[TensorPlan], world_size: int, prefix: str) -> str:
