@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
+
+from tpviz.cli import main
+from tpviz.report import human_bytes
 
 from .conftest import run_cli, write_config
 from .test_plan import LLAMA_70B
@@ -32,13 +38,27 @@ def test_make_checkpoint_then_plan_json(tmp_path):
     assert set(plan["forecast"]) == {"sliced", "rank0_broadcast", "replicated"}
 
 
-def test_plan_table_for_a_70b_config_adds_up(tmp_path):
+def test_make_checkpoint_says_mib_and_writes_files_with_the_umask_mode(tmp_path, capsys):
+    old = os.umask(0o027)
+    try:
+        assert main(["make-checkpoint", str(tmp_path / "ck"), "--max-shard-size", "600000"]) == 0
+    finally:
+        os.umask(old)
+    out = capsys.readouterr().out
+    assert re.search(r"\(2\.4 MiB\)", out) and " MB" not in out
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "ck").iterdir()}
+    assert len(modes) > 3 and set(modes.values()) == {0o640}, modes
+
+
+def test_plan_table_for_a_70b_config_adds_up(tmp_path, capsys):
     source = write_config(tmp_path / "llama70b", **LLAMA_70B)
-    text = run_cli("plan", str(source), "--world-size", "8")
-    assert text.returncode == 0, text.stderr
-    assert "model.layers.*.mlp.up_proj.weight x80" in text.stdout
-    assert "per rank: rank 0:" in text.stdout and "rank 7:" in text.stdout
-    data = json.loads(run_cli("plan", str(source), "--world-size", "8", "--json").stdout)
+    assert main(["plan", str(source), "--world-size", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "per rank: ranks 0-7: 16.4 GiB" in text
+    # ranks holding the same are folded: the table does not widen with the world size
+    assert max(len(line) for line in text.split("\n\n")[0].splitlines()) <= 120
+    assert main(["plan", str(source), "--world-size", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
     replicated = sum(
         p["ranks"][0]["bytes"] for p in data["params"] if p["placement"] == "replicate"
     )
@@ -46,34 +66,60 @@ def test_plan_table_for_a_70b_config_adds_up(tmp_path):
     assert data["per_rank_bytes"] == [
         sum(p["ranks"][r]["bytes"] for p in data["params"]) for r in range(8)
     ]
+    # a folded row's bytes are the row's total: 80 tensors' shards, not one
+    up = [p for p in data["params"] if p["name"].endswith("mlp.up_proj.weight")]
+    row = next(line for line in text.splitlines() if "mlp.up_proj.weight x80" in line)
+    assert len(up) == 80 and "row folded xN: all N tensors together" in text
+    assert row.endswith(human_bytes(sum(p["ranks"][0]["bytes"] for p in up)))
 
 
-def test_plan_with_errors_exits_2_and_lists_them(tiny):
-    result = run_cli("plan", str(tiny), "--world-size", "3", "--json")
-    assert result.returncode == 2
-    errors = json.loads(result.stdout)["errors"]
-    assert {e["code"] for e in errors} == {"head_alignment"}
-    human = run_cli("plan", str(tiny), "--world-size", "3")
-    assert human.returncode == 2 and "error [head_alignment]" in human.stdout
+def test_ranks_that_differ_are_shown_apart(uneven3, capsys):
+    assert main(["plan", str(uneven3), "--world-size", "3", "--full"]) == 0
+    row = next(
+        x for x in capsys.readouterr().out.splitlines() if x.startswith("model.embed_tokens")
+    )
+    assert "ranks 0-1: 334×96, rank 2: 333×96" in row
 
 
-def test_bad_input_is_one_line_on_stderr_and_exit_2(tmp_path, tiny):
-    missing = run_cli("plan", str(tmp_path / "nope"), "--world-size", "2")
-    assert missing.returncode == 2
-    assert len(missing.stderr.strip().splitlines()) == 1 and "nope" in missing.stderr
+def test_plan_errors_keep_stdout_and_give_stderr_one_line_and_exit_2(tiny, capsys):
+    assert main(["plan", str(tiny), "--world-size", "3", "--json"]) == 2
+    out, err = capsys.readouterr()
+    errors = json.loads(out)["errors"]
+    assert len(errors) == 2 and {e["code"] for e in errors} == {"head_alignment"}
+    assert len(err.strip().splitlines()) == 1 and "heads" in err and "(and 1 more)" in err
+    assert main(["plan", str(tiny), "--world-size", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert "error [head_alignment]" in out and len(err.strip().splitlines()) == 1
+    # a command that stops on the plan lists it whole in its JSON, one line on stderr
+    assert main(["load", str(tiny), "--world-size", "3", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out)["errors"] == errors and len(err.strip().splitlines()) == 1
+
+
+def test_bad_input_is_one_line_on_stderr_and_exit_2(tmp_path, tiny, capsys):
+    assert main(["plan", str(tmp_path / "nope"), "--world-size", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1 and "nope" in err and out == ""
     bad_plan = tmp_path / "plan.json"
     bad_plan.write_text("{not json")
-    result = run_cli("plan", str(tiny), "--plan", str(bad_plan), "--json")
-    assert result.returncode == 2 and "plan.json" in result.stderr
-    assert json.loads(result.stdout)["errors"]
+    assert main(["plan", str(tiny), "--plan", str(bad_plan), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert "plan.json" in err and len(err.strip().splitlines()) == 1
+    assert json.loads(out)["errors"]
 
 
-def test_unknown_style_in_a_plan_file(tmp_path, tiny):
+def test_rows_with_an_unusable_style_are_marked_in_error(tmp_path, tiny, capsys):
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"layers.*.mlp.up_proj": "colwize"}))
-    result = run_cli("plan", str(tiny), "--plan", str(plan))
-    assert result.returncode == 2
-    assert "colwise" in result.stdout and "layers.*.mlp.up_proj" in result.stdout
+    plan.write_text(
+        json.dumps({"layers.*.mlp.up_proj": "colwize", "layers.*.mlp.down_proj": "gather"})
+    )
+    assert main(["plan", str(tiny), "--plan", str(plan)]) == 2
+    out, err = capsys.readouterr()
+    rows = {line.split()[0]: line.split()[2] for line in out.splitlines() if "_proj.weight" in line}
+    assert rows["model.layers.*.mlp.up_proj.weight"] == "colwize"
+    assert rows["model.layers.*.mlp.down_proj.weight"] == "gather"
+    assert "colwize (error)" in out and "gather (error)" in out
+    assert "layers.*.mlp.up_proj" in err and len(err.strip().splitlines()) == 1
 
 
 def test_module_entry_point_runs():

@@ -241,3 +241,29 @@ def test_memory_forecast_refuses_what_cannot_fit_this_machine(tmp_path):
     assert "replicated needs about" in message and "GiB is available" in message
     assert "--force" in message
     assert children() == []
+
+
+UNGUARDED = textwrap.dedent("""
+    import sys, tpviz
+    job = tpviz.launch(sys.argv[1], 2)  # no `if __name__ == "__main__":`
+    job.wait(120)
+""")
+
+
+@pytest.mark.slow
+def test_a_script_without_the_main_guard_gets_the_message_alone(tmp_path, tiny):
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tiny)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert run.returncode == 1
+    assert "must guard the call with `if __name__ == '__main__':`" in run.stderr
+    # the script's own short traceback, not one per rank from multiprocessing's bootstrap
+    assert "spawn_main" not in run.stderr and "bootstrapping" not in run.stderr
+    assert len(run.stderr.splitlines()) < 15, run.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -162,6 +163,20 @@ def test_unknown_style_names_the_closest_valid_ones():
     plan = toy_plan({"fused": "colwsie"})
     (error,) = plan.errors
     assert error.code == "unknown_style" and "colwise" in error.message and "fused" in error.message
+
+
+@pytest.mark.parametrize("typo", ["colwize", "colwise_repp", "rowwise_rep2", "local_rowise"])
+def test_suggestions_are_canonical_names_with_aliases_named_as_aliases(typo):
+    with pytest.raises(styles.UnknownStyle) as e:
+        styles.canonical(typo)
+    assert e.value.suggestions and all(s in styles.STYLES for s in e.value.suggestions)
+    hint = str(e.value).split("; did you mean ")[1].split("?")[0]
+    # every name offered outside parentheses is canonical; an alias appears only as "v4 alias"
+    offered = re.sub(r" \(v4 alias (\w+)\)", "", hint).split(", ")
+    assert offered == e.value.suggestions
+    for alias in re.findall(r"\(v4 alias (\w+)\)", hint):
+        assert alias in styles.ALIASES
+    assert "v4 aliases: colwise_rep = colwise_gather_output" in str(e.value)
 
 
 def test_known_but_unexecutable_style_is_reported_with_its_modules():

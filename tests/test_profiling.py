@@ -99,3 +99,22 @@ def test_profiling_off_puts_no_profiler_in_the_load_path():
     from tpviz.runtime.strategies import LoadContext
 
     assert LoadContext.__dataclass_fields__["span"].default is no_span
+
+
+@pytest.mark.slow
+def test_cli_profile_shows_the_summary_and_keeps_kineto_quiet(tmp_path, tiny, capfd):
+    from tpviz.cli import main
+
+    # the ranks inherit this process's fd 2, which capfd reads: kineto writes there from C++
+    assert main(["load", str(tiny), "--profile", str(tmp_path / "prof")]) == 0
+    out, err = capfd.readouterr()
+    assert "USDT" not in err and "profiler_start" not in err and "STAGE:" not in err
+    header = next(line for line in out.splitlines() if line.startswith("rank  read s"))
+    assert "collective s" in header and "slowest modules" in header
+    table = out.split(header)[1].split("profile traces:")[0].splitlines()[2:]
+    rows = [row for row in table if row[:1].isdigit()]
+    assert [row.split()[0] for row in rows] == ["0", "1"]
+    for row in rows:
+        read, copy, collective = map(float, row.split()[1:4])
+        assert read > 0 and collective == 0 and row.split()[4].startswith("model.")
+    assert len(table) == 6  # the 3 slowest modules of each rank

@@ -173,6 +173,42 @@ def test_representative_tensor_prefers_an_uneven_split(uneven3, tiny):
     assert chosen.shard_dim is not None and figures.layer_of(chosen.name) is not None
 
 
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_a_forecast_peak_equal_to_the_shard_is_one_line_labelled_both(tiny, dtype):
+    plan = resolve_plan(tiny, 2, dtype=dtype)
+    run = figures.memory_run(plan, "sliced", "sliced")
+    run.series.add(memory_events(0, 100.0, 1000, 5, 10) + memory_events(1, 100.1, 2000, 4, 20))
+    fig = figures.memory_figure([run], "rss_growth")
+    same = plan.forecast["sliced"]["peak_bytes"] == plan.per_rank_bytes
+    assert same == (dtype is None)  # a cast stages each slice: the peak is above the shard
+    for r in (0, 1):
+        (shard,) = [
+            t for t in fig.data if t.meta == {"kind": "forecast_shard", "rank": r, "run": "sliced"}
+        ]
+        (peak,) = [
+            t for t in fig.data if t.meta == {"kind": "forecast_peak", "rank": r, "run": "sliced"}
+        ]
+        assert shard.name.endswith("forecast shard = peak" if same else "forecast shard")
+        assert peak.visible is (not same)
+
+
+def test_overlaid_loads_keep_a_short_legend_grouped_per_load(tiny):
+    plan = resolve_plan(tiny, 2)
+    runs = [figures.memory_run(plan, s, s) for s in ("sliced", "rank0_broadcast", "replicated")]
+    fig = figures.memory_figure(runs, "rss_growth")
+    listed = [t for t in fig.data if t.showlegend is not False]
+    assert [t.name for t in listed] == [f"{r.label} rank {k}" for r in runs for k in (0, 1)]
+    assert [t.legendgroup for t in listed] == [r.label for r in runs for _ in (0, 1)]
+    assert all(t.meta["kind"] == "memory" for t in listed) and len(fig.data) == 18
+    # a click on an entry toggles its whole load; the legend sits below the plot
+    assert fig.layout.legend.groupclick == "togglegroup"
+    assert fig.layout.legend.orientation == "h" and fig.layout.legend.y < 0
+
+
+def test_counts_say_tensor_for_one():
+    assert figures.count(1, "tensor") == "1 tensor" and figures.count(2, "tensor") == "2 tensors"
+
+
 def test_memory_figure_has_one_line_per_rank_and_dashed_forecasts(tiny):
     plan = resolve_plan(tiny, 2)
     run = figures.memory_run(plan, "sliced", "sliced")
@@ -287,7 +323,9 @@ def test_plan_view_table_filters_badges_and_issues(tiny):
     table = view.table.value
     assert table.count("<details") == 2  # one per layer, collapsible
     assert "tpviz-badge" in table and "embed_tokens" in table
-    assert "176×128 · 88.0 KiB" in table  # up_proj's shard on each rank
+    # up_proj's shard on each rank; shape and bytes each kept whole (a cell wraps between them)
+    nowrap = '<span class="tpviz-nw">{}</span>'
+    assert f"{nowrap.format('176×128')} · {nowrap.format('88.0 KiB')}" in table
     assert "unmatched_pattern" in view.issues.value and "w9" in view.issues.value
     view.name_filter.value = "layers.1.*proj"
     names = {t.name for t in view.visible_tensors()}
@@ -378,7 +416,7 @@ def test_monitor_progress_bars_reach_their_end_and_summary_appears(monitored):
     summary = monitor.summary.value
     assert '<table class="tpviz-summary">' in summary and "verification ok" in summary
     assert summary.count("<tr>") == 3  # header and one row per rank
-    assert monitor.cancel_button.disabled
+    assert monitor.cancel_button.disabled and monitor.cancel_button.layout.display == "none"
     assert monitor.wait(1) is job.result
 
 
@@ -420,6 +458,7 @@ def test_cancel_button_really_cancels(tiny):
     with pytest.raises(tpviz.LoadError, match="cancelled"):
         monitor.wait(30)
     assert "cancelled" in monitor.status.value and monitor.cancel_button.disabled
+    assert monitor.cancel_button.layout.display == "none"  # the job is over: no button stays
     assert all(bar.bar_style == "danger" for bar, _ in monitor._bars.values())
     assert job._procs == []  # every rank ended
     job.shutdown()
@@ -475,6 +514,8 @@ def test_dashboard_validates_loads_and_overlays_strategies(tmp_path):
     dash.plan_editor.value = good
     dash.plan_view.world_size.value = 3
     assert "head_alignment" in dash.validation.value and dash.load() is None
+    # listed once: beside the editor, not again in the plan view below it
+    assert dash.plan_view.issues.layout.display == "none"
     dash.plan_view.world_size.value = 2
     assert "plan valid" in dash.validation.value
     try:

@@ -9,11 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 INVALID_INPUT = 2
 FAILURE = 1
+
+
+SOURCE_HELP = "checkpoint dir (Hugging Face layout), or a dir holding only config.json"
+STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
+JSON_HELP = "print the result as JSON on stdout (also on failure, then with errors)"
 
 
 class InvalidInput(Exception):
@@ -29,11 +33,16 @@ def _shared(p: argparse.ArgumentParser) -> None:
         help="target dtype (default: the checkpoint's)",
     )
     p.add_argument("--model", default="auto", help="auto, builtin, hf or PKG.MOD:FN (default auto)")
-    p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def _load_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: gloo ranks; cuda: one GPU per rank, nccl (default cpu)",
+    )
     p.add_argument(
         "--verify",
         action="store_true",
@@ -45,7 +54,7 @@ def _load_flags(p: argparse.ArgumentParser) -> None:
         default="checkpoint",
         help="random: initialise from --seed instead of loading",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of --init random (default 0)")
     p.add_argument("--profile", metavar="DIR", help="write torch.profiler traces for TensorBoard")
     p.add_argument(
         "--profile-forward",
@@ -61,42 +70,69 @@ def _load_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="tpviz", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"tpviz {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("make-checkpoint", help="write a deterministic Llama-family checkpoint")
-    p.add_argument("directory")
-    p.add_argument("--preset", choices=["tiny", "small", "medium"], default="tiny")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--tie-embeddings", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("directory", help="where to write it (created; must not hold a checkpoint)")
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "small", "medium"],
+        default="tiny",
+        help="model size in float32: tiny (2.4 MiB), small (143 MiB), medium (610 MiB) "
+        "(default tiny)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="dtype of the stored tensors (default float32)",
+    )
+    p.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        help="share one tensor between the embedding and lm_head (no lm_head.weight stored)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--max-shard-size", type=int, help="bytes per .safetensors file")
     for dim in ("layers", "hidden", "intermediate", "heads", "kv-heads", "vocab"):
         p.add_argument(f"--{dim}", type=int, help=f"override the preset's {dim}")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("plan", help="resolve a TP plan and show what every rank holds")
-    p.add_argument("source", help="checkpoint dir, or a dir holding only config.json")
+    p.add_argument("source", help=SOURCE_HELP)
     _shared(p)
     p.add_argument("--full", action="store_true", help="one row per tensor (no folding)")
 
     p = sub.add_parser("load", help="load a checkpoint on local ranks")
-    p.add_argument("source")
+    p.add_argument("source", help=SOURCE_HELP)
     _shared(p)
     p.add_argument(
-        "--strategy", choices=["sliced", "rank0_broadcast", "replicated"], default="sliced"
+        "--strategy",
+        choices=STRATEGIES,
+        default="sliced",
+        help="sliced: each rank reads its own slices; rank0_broadcast: rank 0 reads and sends; "
+        "replicated: every rank loads the whole model, keeps its shards (default sliced)",
     )
     _load_flags(p)
 
     p = sub.add_parser("compare", help="load with every strategy in turn and compare")
-    p.add_argument("source")
+    p.add_argument("source", help=SOURCE_HELP)
     _shared(p)
     _load_flags(p)
 
     p = sub.add_parser("demo", help="make the demo checkpoint, show its plan, load it")
-    p.add_argument("--preset", choices=["tiny", "small", "medium"], default="small")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "small", "medium"],
+        default="small",
+        help="demo checkpoint size, made once in a cache dir (default small)",
+    )
+    p.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     return parser
 
 
@@ -108,11 +144,25 @@ def main(argv: list[str] | None = None) -> int:
         return FAILURE
     except Exception as e:  # noqa: BLE001 - the CLI's one place that turns errors into exit codes
         code = INVALID_INPUT if _is_invalid_input(e) else FAILURE
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
         if getattr(args, "json", False):
-            print(json.dumps({"errors": [{"code": type(e).__name__, "message": str(e)}]}))
-        print(f"tpviz {args.command}: {message}", file=sys.stderr)
+            print(json.dumps({"errors": _error_list(e)}))
+        print(f"tpviz {args.command}: {_first_line(e)}", file=sys.stderr)
         return code
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _error_list(e: Exception) -> list[dict[str, str]]:
+    """The JSON `errors`: a plan's full list of issues, else the one exception."""
+    from dataclasses import asdict
+
+    from .plan import PlanError
+
+    if isinstance(e, PlanError) and e.errors:
+        return [asdict(i) for i in e.errors]
+    return [{"code": type(e).__name__, "message": str(e)}]
 
 
 def _is_invalid_input(e: Exception) -> bool:
@@ -134,6 +184,7 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     from .models.demo import DEFAULT_MAX_SHARD_SIZE, make_checkpoint
+    from .report import human_bytes
 
     out = make_checkpoint(
         args.directory,
@@ -154,7 +205,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     _emit(
         args,
         {"directory": str(out), "files": files, "bytes": size},
-        f"wrote {out} ({size / 1e6:.1f} MB): {', '.join(files)}",
+        f"wrote {out} ({human_bytes(size)}): {', '.join(files)}",
     )
     return 0
 
@@ -166,11 +217,16 @@ def _resolve(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from .plan import PlanError
     from .report import plan_table
 
     plan = _resolve(args)
     _emit(args, plan.to_dict(), plan_table(plan, full=args.full))
-    return INVALID_INPUT if plan.errors else 0
+    if not plan.errors:
+        return 0
+    # stdout keeps every error (table or JSON); stderr gets the contract's one line
+    print(f"tpviz plan: {_first_line(PlanError(plan.errors))}", file=sys.stderr)
+    return INVALID_INPUT
 
 
 def _launch_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -189,6 +245,7 @@ def _launch_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_load(args: argparse.Namespace) -> int:
     from .launcher import launch
+    from .progress import follow
     from .report import load_table
 
     plan = _resolve(args)
@@ -197,7 +254,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     with launch(
         args.source, args.world_size, plan, strategy=args.strategy, **_launch_kwargs(args)
     ) as job:
-        result = _follow(job, show=not args.json)
+        result = follow(job, show=not args.json)
     errors = list(result.get("output_errors", []))
     if report:
         errors += _write_report(report, plan, [result], [job.events])
@@ -212,23 +269,35 @@ def _succeeded(result: dict[str, Any]) -> bool:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from .launcher import compare
+    from .progress import follow
     from .report import compare_table, load_table
 
     plan = _resolve(args)
     plan.raise_for_errors()
     events: list = []
 
-    def follow(job) -> dict[str, Any]:
-        result = _follow(job, show=not args.json)
+    def follow_labelled(job) -> dict[str, Any]:
+        # each strategy's progress names it: "[2/3] rank0_broadcast: loading on 2 ranks ..."
+        label = f"[{len(events) + 1}/{len(STRATEGIES)}] {job.options.strategy}"
+        result = follow(job, show=not args.json, label=label)
         events.append(job.events)
         return result
 
     report = _check_report(args)
-    results = compare(args.source, args.world_size, plan, follow=follow, **_launch_kwargs(args))
+    results = compare(
+        args.source,
+        args.world_size,
+        plan,
+        strategies=STRATEGIES,
+        follow=follow_labelled,
+        **_launch_kwargs(args),
+    )
     errors = [e for r in results for e in r.get("output_errors", [])]
     if report:
         errors += _write_report(report, plan, results, events)
-    text = "\n\n".join([*(load_table(r) for r in results), compare_table(results)])
+    text = "\n\n".join(
+        [*(load_table(r) for r in results), "comparison:\n" + compare_table(results)]
+    )
     ok = all(_succeeded(r) for r in results)
     return _finish(args, {"strategies": results}, text, errors, ok)
 
@@ -251,6 +320,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .launcher import launch
     from .models.demo import cache_dir, demo_checkpoint
     from .plan import resolve_plan
+    from .progress import follow
     from .report import load_table, plan_table
 
     if not (cache_dir() / f"demo-{args.preset}" / "config.json").exists():
@@ -261,7 +331,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"plan for {source}:\n{plan_table(plan)}\n")
     with launch(source, args.world_size, plan, verify=True) as job:
-        result = _follow(job, show=not args.json)
+        result = follow(job, show=not args.json)
     _emit(args, result, load_table(result))
     return 0 if _succeeded(result) else FAILURE
 
@@ -273,75 +343,6 @@ COMMANDS = {
     "compare": cmd_compare,
     "demo": cmd_demo,
 }
-
-
-# --- progress ---------------------------------------------------------------------------------
-
-
-def _follow(job, show: bool) -> dict[str, Any]:
-    """Wait for the job, drawing one progress bar per rank on a terminal (plain lines at
-    phase changes elsewhere)."""
-    if not show:
-        return job.wait()
-    if not sys.stderr.isatty():
-        return _follow_plain(job)
-    from tqdm import tqdm
-
-    from .report import human_bytes
-
-    bars = [
-        tqdm(
-            total=1,
-            position=r,
-            desc=f"rank {r}",
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            leave=True,
-            file=sys.stderr,
-            dynamic_ncols=True,
-        )
-        for r in job.progress
-    ]
-    try:
-        while True:
-            try:
-                return job.wait(timeout=0.1)
-            except TimeoutError:
-                pass
-            finally:
-                for rank, bar in enumerate(bars):
-                    p = job.progress[rank]
-                    bar.total = max(p.bytes_total, 1)
-                    bar.n = p.bytes_done
-                    where = p.module or p.phase
-                    bar.set_postfix_str(
-                        f"{p.units_done}/{p.units_total or '?'} modules "
-                        f"{human_bytes(p.bytes_done)} {where}",
-                        refresh=False,
-                    )
-                    bar.refresh()
-    finally:
-        for bar in bars:
-            bar.close()
-
-
-def _follow_plain(job) -> dict[str, Any]:
-    seen: dict[int, str] = {}
-    while True:
-        try:
-            return job.wait(timeout=0.25)
-        except TimeoutError:
-            pass
-        finally:
-            for rank, p in job.progress.items():
-                if seen.get(rank) != p.phase:
-                    seen[rank] = p.phase
-                    print(
-                        f"rank {rank}: {p.phase} ({p.units_done}/{p.units_total or '?'} "
-                        f"modules) at {time.strftime('%H:%M:%S')}",
-                        file=sys.stderr,
-                    )
 
 
 def _check_report(args: argparse.Namespace) -> str | None:

@@ -508,6 +508,14 @@ def check_memory(plan: ResolvedPlan, strategy: str, device: str, init: str) -> N
             )
 
 
+def _end_rank_running_an_unguarded_script() -> None:
+    """A script without the `__main__` guard runs again in each spawned rank while it starts,
+    and calls launch there: multiprocessing would refuse with a long traceback from every rank.
+    End that rank quietly instead; the parent's job says what to do (guard the call)."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise SystemExit(1)
+
+
 def launch(
     source: str | os.PathLike,
     world_size: int,
@@ -536,6 +544,7 @@ def launch(
     `profile_forward` also profiles one forward of the fixed prompt after loading.
     `seed_skew` ({rank: offset}) shifts one rank's seed: a test hook for the init checks.
     """
+    _end_rank_running_an_unguarded_script()
     if timeout is not None and (
         isinstance(timeout, bool)
         or not isinstance(timeout, (int, float))

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -99,11 +102,40 @@ def rank_profiler(
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     out = RankProfiler()
-    with profile(
+    out.prof = profile(
         activities=activities,
         profile_memory=True,
         record_shapes=True,
         on_trace_ready=_trace_writer(profile_dir, rank, out),
-    ) as prof:
-        out.prof = prof
+    )
+    with _quiet_kineto():
+        out.prof.start()
+    try:
         yield out
+    finally:
+        with _quiet_kineto():
+            out.prof.__exit__(None, None, None)  # stop, write the trace, clean up
+
+
+# kineto's notes on every start and stop (`USDT:… profiler_start`, `STAGE:… Warm Up`)
+_KINETO_NOTE = re.compile(rb"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\] ")
+
+
+@contextlib.contextmanager
+def _quiet_kineto() -> Iterator[None]:
+    """Hold what is written to fd 2 meanwhile and pass on all but kineto's notes: kineto prints
+    them from C++ on every start and stop, and no setting turns them off."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held if not _KINETO_NOTE.match(line)]
+            if kept:
+                os.write(2, b"".join(kept))

@@ -9,6 +9,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from . import styles
 from .outputs import write_text
 from .plan import ResolvedPlan
 
@@ -46,44 +47,74 @@ def shape_text(shape) -> str:
 
 def plan_table(plan: ResolvedPlan, full: bool = False) -> str:
     """One row per tensor; unless `full`, tensors that differ only by layer index are folded
-    into one row with a count (`model.layers.*.mlp.up_proj.weight x80`)."""
+    into one row with a count (`model.layers.*.mlp.up_proj.weight x80`) whose bytes are the
+    row's total. Ranks holding the same are folded too (`0-6: 1143×8192, 7: 1142×8192`), so
+    the width does not grow with the world size. Rows in error show the style as given."""
     groups: dict[tuple, list] = {}
     for t in plan.params:
         name = t.name if full else _INDEX.sub(".*.", t.name)
         key = (
             name,
-            t.style,
+            t.style_given,
             tuple(t.global_shape),
             t.dtype,
             tuple(tuple(r.shape) for r in t.ranks),
             tuple(t.tied_to) if full else (),
         )
         groups.setdefault(key, []).append(t)
-    w = plan.world_size
-    headers = ["tensor", "style", "global", *[f"rank {r}" for r in range(w)], "bytes/rank"]
+    in_error = _names_in_error(plan)
     rows = []
-    for (name, style, shape, _, shards, _), members in groups.items():
+    for (name, _, shape, _, shards, _), members in groups.items():
         t = members[0]
         label = name + (f" x{len(members)}" if len(members) > 1 else "")
         if t.tied_to:
             label += f" (tied: {', '.join(t.tied_to)})"
-        per_rank = sorted({r.bytes for r in t.ranks})
-        rank_bytes = (
-            human_bytes(per_rank[0])
-            if len(per_rank) == 1
-            else " / ".join(human_bytes(r.bytes) for r in t.ranks)
-        )
-        rows.append([label, style, shape_text(shape), *(shape_text(s) for s in shards), rank_bytes])
-    totals = " | ".join(f"rank {r}: {human_bytes(b)}" for r, b in enumerate(plan.per_rank_bytes))
-    out = [
-        table(headers, rows),
+        style = f"{t.style_given} (error)" if t.name in in_error else t.style
+        total = [len(members) * r.bytes for r in t.ranks]
+        rows.append([label, style, shape_text(shape), by_rank(shards, shape_text), by_rank(total)])
+    headers = ["tensor", "style", "global", "shard per rank", "bytes/rank"]
+    out = [table(headers, rows)]
+    if len(groups) < len(plan.params):
+        out.append("bytes/rank of a row folded xN: all N tensors together")
+    out += [
         "",
-        f"per rank: {totals}",
-        f"model: {human_bytes(plan.total_bytes)} in {plan.dtype} over {w} rank(s)",
+        f"per rank: {by_rank(plan.per_rank_bytes, label_all=True)}",
+        f"model: {human_bytes(plan.total_bytes)} in {plan.dtype} over {plan.world_size} rank(s)",
     ]
     out += [f"warning [{i.code}]: {i.message}" for i in plan.warnings]
     out += [f"error [{i.code}]: {i.message}" for i in plan.errors]
     return "\n".join(out)
+
+
+def by_rank(values: Sequence[Any], show=human_bytes, label_all: bool = False) -> str:
+    """One value if every rank shows the same (labelled `ranks 0-7: ` if `label_all`), else
+    runs of ranks that do: `ranks 0-6: 1.2 MiB, rank 7: 1.1 MiB`."""
+    runs: list[list[Any]] = []  # [first rank, last rank, text]
+    for r, text in enumerate(map(show, values)):
+        if runs and runs[-1][2] == text:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r, text])
+    if len(runs) == 1 and not label_all:
+        return runs[0][2]
+    return ", ".join(
+        f"ranks {a}-{b}: {text}" if b > a else f"rank {a}: {text}" for a, b, text in runs
+    )
+
+
+def _names_in_error(plan: ResolvedPlan) -> set[str]:
+    """Tensors whose given style cannot be used (unknown or unsupported: the plan went on with
+    `replicate` only to find further errors) and tensors or modules an error names."""
+    named = {i.name for i in plan.errors}
+    return {t.name for t in plan.params if t.name in named or t.module in named or _unusable(t)}
+
+
+def _unusable(t) -> bool:
+    try:
+        styles.canonical(t.style_given)
+    except ValueError:  # UnknownStyle, UnsupportedStyle
+        return True
+    return False
 
 
 def load_table(result: dict[str, Any]) -> str:
@@ -151,9 +182,26 @@ def load_table(result: dict[str, Any]) -> str:
                 )
             )
     profile = result.get("profile")
-    if profile and all((r or {}).get("error") is None for r in profile["ranks"]):
-        lines.append(f"profile traces: {profile['dir']} (tensorboard --logdir {profile['dir']})")
+    if profile:
+        lines += _profile_lines(profile)
     return "\n".join(lines)
+
+
+def _profile_lines(profile: dict[str, Any], top: int = 3) -> list[str]:
+    """Per rank: seconds reading, copying and in collectives, and its slowest modules."""
+    ranks = [(r, s) for r, s in enumerate(profile["ranks"]) if s]
+    headers = ["rank", "read s", "copy s", "collective s", "slowest modules", "s"]
+    rows = []
+    for r, s in ranks:
+        totals = [f"{s[k]:.3f}" for k in ("read_seconds", "copy_seconds", "collective_seconds")]
+        units = s["slowest_units"][:top] or [{"module": "-", "seconds": 0.0}]
+        for i, unit in enumerate(units):
+            first = [r, *totals] if i == 0 else [""] * 4
+            rows.append([*first, unit["module"], f"{unit['seconds']:.3f}"])
+    lines = ["profile:", table(headers, rows, right=(1, 2, 3, 5))] if rows else []
+    if all(s.get("error") is None for _, s in ranks):
+        lines.append(f"profile traces: {profile['dir']} (tensorboard --logdir {profile['dir']})")
+    return lines
 
 
 def compare_table(results: list[dict[str, Any]]) -> str:

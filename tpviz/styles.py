@@ -150,19 +150,25 @@ DEFAULT_STYLE = "replicate"
 class UnknownStyle(ValueError):
     def __init__(self, name: str):
         self.name = name
-        self.suggestions = difflib.get_close_matches(name, known_names(), n=3, cutoff=0.5)
-        hint = f"; did you mean {', '.join(self.suggestions)}?" if self.suggestions else ""
-        super().__init__(f"unknown TP style {name!r}{hint} (valid: {', '.join(STYLES)})")
+        close = difflib.get_close_matches(name, [*STYLES, *ALIASES], n=5, cutoff=0.5)
+        # suggest canonical names only; an alias that matched first is shown beside its name
+        via: dict[str, str | None] = {}
+        for match in close:
+            via.setdefault(ALIASES.get(match, match), match if match in ALIASES else None)
+        self.suggestions = list(via)[:3]
+        hint = ", ".join(f"{s} (v4 alias {via[s]})" if via[s] else s for s in self.suggestions)
+        aliases = ", ".join(f"{a} = {c}" for a, c in ALIASES.items())
+        super().__init__(
+            f"unknown TP style {name!r}"
+            + (f"; did you mean {hint}?" if hint else "")
+            + f" (valid: {', '.join(STYLES)}; v4 aliases: {aliases})"
+        )
 
 
 class UnsupportedStyle(ValueError):
     def __init__(self, name: str):
         self.name = name
         super().__init__(f"TP style {name!r} is known but tpviz cannot execute it")
-
-
-def known_names() -> list[str]:
-    return [*STYLES, *ALIASES, *sorted(UNSUPPORTED)]
 
 
 def canonical(name: str) -> Style:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -119,18 +120,34 @@ def _save_sharded(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: i
             size = 0
         shards[-1][name] = tensor
         size += nbytes
-    metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], out / SINGLE_NAME, metadata=metadata)
+        _save(shards[0], out / SINGLE_NAME)
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out / file, metadata=metadata)
+        _save(shard, out / file)
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, path, metadata={"format": "pt"})
+    # safetensors writes its files 0600; give them the mode config.json gets, as any file
+    path.chmod(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process umask, read without setting it (os.umask would, for every thread)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"^Umask:\s*(\d+)", status, re.M)[1], 8)
+    except (OSError, TypeError):
+        mask = os.umask(0o077)
+        os.umask(mask)
+        return mask
 
 
 def cache_dir() -> Path:

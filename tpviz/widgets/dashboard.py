@@ -183,6 +183,7 @@ class Dashboard(widgets.VBox):
         self._patterns = dict(plan.patterns)
         if self.plan_view is None:
             self.plan_view = PlanView(plan)
+            self.plan_view.issues.layout.display = "none"  # the editor's validation lists them
             self.plan_view.on_plan_change(self._on_plan_change)
             self.plan_box.children = [self.plan_view]
             self._on_plan_change(plan)

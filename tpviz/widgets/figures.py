@@ -294,6 +294,11 @@ def representative_tensor(tensors: Sequence[TensorPlan]) -> TensorPlan:
     return sharded[0] if sharded else tensors[0]
 
 
+def count(n: int, noun: str) -> str:
+    """`1 tensor`, `2 tensors`."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def plan_table_figure(plan: ResolvedPlan) -> go.Figure:
     """The plan as a table; tensors that differ only by layer index fold into one row."""
     groups: dict[tuple, list[TensorPlan]] = {}
@@ -321,7 +326,7 @@ def plan_table_figure(plan: ResolvedPlan) -> go.Figure:
         )
     )
     fig.update_layout(
-        title=f"Plan: {len(plan.params)} tensors, {human_bytes(plan.total_bytes)} in "
+        title=f"Plan: {count(len(plan.params), 'tensor')}, {human_bytes(plan.total_bytes)} in "
         f"{plan.dtype} over {w} rank(s)",
         height=120 + 28 * (len(groups) + 1),
         margin={"t": 50, "b": 10},
@@ -414,10 +419,11 @@ class MemoryRun:
 
 def rank_traces(run: MemoryRun, rank: int, measure: str, unit: str = "MiB") -> list[go.Scatter]:
     """The rank's memory line, then its forecast final shard and forecast peak (dashed), in
-    `unit`."""
+    `unit`. The legend lists the memory lines only, grouped by load: a click toggles the load's
+    lines and forecasts together, so overlaid loads stay a short legend."""
     color = rank_color(run.color_offset + rank)
     xs, ys = run.series.xy(rank, measure)
-    group = f"{run.label}-{rank}"
+    group = run.label
     traces = [
         go.Scatter(
             x=xs,
@@ -426,6 +432,7 @@ def rank_traces(run: MemoryRun, rank: int, measure: str, unit: str = "MiB") -> l
             line={"color": color, "width": 2},
             name=f"{run.label} rank {rank}",
             legendgroup=group,
+            legendgrouptitle={"text": run.label},
             hovertemplate=f"%{{y:.2f}} {unit} at %{{x:.2f}} s",
             meta={"kind": "memory", "rank": rank, "run": run.label},
         )
@@ -435,9 +442,13 @@ def rank_traces(run: MemoryRun, rank: int, measure: str, unit: str = "MiB") -> l
     if measure in ABSOLUTE_MEASURES:
         base = run.series.baseline(rank)
         offset = getattr(base, measure) if base is not None else None
-    for kind, values, dash in (
-        ("forecast_shard", run.shard_bytes, "dash"),
-        ("forecast_peak", run.peak_bytes, "dashdot"),
+    # a peak equal to the shard (sliced without staging copies) is one line, labelled both
+    same = run.peak_bytes.get(rank) is not None and run.peak_bytes.get(rank) == run.shard_bytes.get(
+        rank
+    )
+    for kind, values, dash, label in (
+        ("forecast_shard", run.shard_bytes, "dash", "forecast shard = peak" if same else None),
+        ("forecast_peak", run.peak_bytes, "dashdot", None),
     ):
         value = values.get(rank)
         shown = value is not None and offset is not None
@@ -447,8 +458,10 @@ def rank_traces(run: MemoryRun, rank: int, measure: str, unit: str = "MiB") -> l
                 y=in_unit([value + offset] * 2, unit) if shown else [],
                 mode="lines",
                 line={"color": color, "width": 1, "dash": dash},
-                name=f"{run.label} rank {rank} {kind.replace('_', ' ')}",
+                name=f"{run.label} rank {rank} {label or kind.replace('_', ' ')}",
+                visible=not (same and kind == "forecast_peak"),
                 legendgroup=group,
+                showlegend=False,
                 hovertemplate=f"%{{y:.2f}} {unit}",
                 meta={"kind": kind, "rank": rank, "run": run.label},
             )
@@ -483,9 +496,10 @@ def memory_layout(measure: str, unit: str = "MiB") -> dict[str, Any]:
         "title": titled(f"Memory per rank: {label}", note),
         "xaxis": {"title": "seconds since loading began", "zeroline": True},
         "yaxis": {"title": unit},
-        "legend": {"groupclick": "toggleitem"},
-        "height": 440,
-        "margin": {"t": 80, "b": 50},
+        # below the plot, so that entries never squeeze it
+        "legend": {"groupclick": "togglegroup", "orientation": "h", "yanchor": "top", "y": -0.2},
+        "height": 480,
+        "margin": {"t": 80, "b": 90},
         "uirevision": "memory",  # keep the user's zoom across redraws
     }
 

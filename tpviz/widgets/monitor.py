@@ -81,6 +81,7 @@ class MemoryChart:
                         continue
                     for target, trace in zip(self.figure.data[slot : slot + len(traces)], traces):
                         target.x, target.y = trace.x, trace.y
+                        target.name, target.visible = trace.name, trace.visible
             for rank, traces in new:
                 self._slots[(index, rank)] = len(self.figure.data)
                 self.figure.add_traces(traces)
@@ -385,6 +386,7 @@ class LoadMonitor(widgets.VBox):
         if self.result is not None and state not in ("failed", "cancelled"):
             self.summary.value = summary_html(self.result)
         self.cancel_button.disabled = True
+        self.cancel_button.layout.display = "none"  # nothing left to cancel
         self._draw_status(state)
         with self._lock:
             callbacks, self._finish_callbacks = self._finish_callbacks, []

@@ -26,8 +26,10 @@ _CSS = """<style>
   overflow-wrap: anywhere; }
 .tpviz-plan td:first-child { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
 .tpviz-plan summary { cursor: pointer; padding: 3px 0; font-weight: 600; }
-.tpviz-badge { border-radius: 8px; padding: 0 6px; color: #222; font-size: 11px; }
+.tpviz-badge { border-radius: 8px; padding: 0 6px; color: #222; font-size: 11px;
+  display: inline-block; white-space: nowrap; }
 .tpviz-empty { color: #b00020; font-weight: 600; }
+.tpviz-nw { white-space: nowrap; }
 .tpviz-issues div { padding: 4px 8px; margin: 2px 0; border-radius: 4px; }
 .tpviz-issues .error { background: #fde7e9; color: #8b0016; }
 .tpviz-issues .warning { background: #fff4d6; color: #6b4500; }
@@ -60,14 +62,20 @@ def issues_html(plan: ResolvedPlan | None, failure: str | None = None) -> str:
     return f'<div class="tpviz-issues">{"".join(lines)}</div>'
 
 
+def _nowrap(text: str) -> str:
+    return f'<span class="tpviz-nw">{text}</span>'
+
+
 def _rank_cell(t: TensorPlan, rank: int) -> str:
+    """Shape and bytes each kept whole: a narrow cell wraps between them, never inside one."""
     shard = t.ranks[rank]
+    shape = _nowrap(figures.shape_text(shard.shape))
     if t.shard_dim is None:
-        return f"{figures.shape_text(shard.shape)} full · {human_bytes(shard.bytes)}"
+        return f"{shape} full · {_nowrap(human_bytes(shard.bytes))}"
     if not shard.blocks:
-        return f'<span class="tpviz-empty">empty ({figures.shape_text(shard.shape)})</span>'
+        return f'<span class="tpviz-empty">empty ({shape})</span>'
     parts = f" in {len(shard.blocks)} blocks" if len(shard.blocks) > 1 else ""
-    return f"{figures.shape_text(shard.shape)}{parts} · {human_bytes(shard.bytes)}"
+    return f"{shape}{parts} · {_nowrap(human_bytes(shard.bytes))}"
 
 
 def _table(rows: list[TensorPlan], world_size: int, prefix: str) -> str:
@@ -114,7 +122,7 @@ def table_html(plan: ResolvedPlan, tensors: list[TensorPlan], open_all: bool = F
         opened = " open" if open_all or first_layer else ""
         first_layer = False
         out.append(
-            f"<details{opened}><summary>{escape(layer)}: {len(rows)} tensors, "
+            f"<details{opened}><summary>{escape(layer)}: {figures.count(len(rows), 'tensor')}, "
             f"{human_bytes(per_rank)} on rank 0 {styles}</summary>{table}</details>"
         )
     if not tensors:
@@ -264,7 +272,7 @@ class PlanView(widgets.VBox):
         )
         return (
             f"<b>{escape(str(plan.source))}</b><br>{plan.world_size} rank(s), {plan.dtype}, "
-            f"{len(plan.params)} tensors, model {human_bytes(plan.total_bytes)}; "
+            f"{figures.count(len(plan.params), 'tensor')}, model {human_bytes(plan.total_bytes)}; "
             f"per rank: {per_rank}"
         )
 

@@ -1,0 +1,44 @@
+"""The CLI explains itself: every option has a help text, and `tpviz --version` answers."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import tpviz
+from tpviz.cli import build_parser, main
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    yield parser.prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_option_argument_and_command_has_a_help_text():
+    missing = []
+    for prog, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                missing += [f"{prog} {c.dest}" for c in action._choices_actions if not c.help]
+            elif not action.help or action.help == argparse.SUPPRESS:
+                missing.append(f"{prog} {action.dest}")
+    assert missing == []
+
+
+def test_defaults_are_stated(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["make-checkpoint", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default tiny)" in text and "(default float32)" in text
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tpviz {tpviz.__version__}"
