@@ -60,6 +60,28 @@ def write_config(directory: Path, **config) -> Path:
     return directory
 
 
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """Run `tpviz ...` in this process (`cli.main(argv)`); returns what `run_cli` returns.
+    Use `run_cli` only where a fresh interpreter proves something more."""
+    import subprocess
+
+    from tpviz.cli import main
+
+    def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse: --help, usage errors
+            code = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["tpviz", *args], code, out, err)
+
+    return run
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None):
     """Run `python -m tpviz ...` in a fresh process; returns the CompletedProcess."""
     import subprocess

@@ -151,6 +151,7 @@ def test_a_valid_header_in_any_order_is_read_and_leaves_nothing_mapped(ck):
     assert str(path) not in maps and str(path) not in opened
 
 
+@pytest.mark.slow  # fresh interpreters: a FIFO that blocks cannot hang the suite
 def test_non_regular_files_are_refused_without_blocking(single, tmp_path):
     fifo_config = tmp_path / "cfg"
     fifo_config.mkdir()

@@ -7,14 +7,14 @@ import json
 import time
 
 import psutil
+import pytest
 
 import tpviz
 from tpviz.events import read_events_dir
 
-from .conftest import run_cli
 
-
-def test_load_json_with_events_dir_and_a_plan_file(tmp_path, tiny):
+@pytest.mark.slow
+def test_load_json_with_events_dir_and_a_plan_file(tmp_path, tiny, cli):
     plan = tmp_path / "plan.json"
     plan.write_text(
         json.dumps(
@@ -29,7 +29,7 @@ def test_load_json_with_events_dir_and_a_plan_file(tmp_path, tiny):
         )
     )
     events = tmp_path / "events"
-    result = run_cli(
+    result = cli(
         "load",
         str(tiny),
         "--world-size",
@@ -57,33 +57,36 @@ def test_load_json_with_events_dir_and_a_plan_file(tmp_path, tiny):
     }
 
 
-def test_load_human_output_and_a_failing_load_exits_1(tmp_path, tiny):
-    result = run_cli("load", str(tiny), "--world-size", "2", "--strategy", "rank0_broadcast")
+@pytest.mark.slow
+def test_load_human_output_and_a_failing_load_exits_1(tmp_path, tiny, cli):
+    result = cli("load", str(tiny), "--world-size", "2", "--strategy", "rank0_broadcast")
     assert result.returncode == 0, result.stderr
     assert "rank0_broadcast on 2 cpu rank(s)" in result.stdout
     assert "peak RSS +" in result.stdout and "mmap" in result.stdout
     assert "rank 1: loaded" in result.stderr  # progress, shown as lines off a terminal
-    timed_out = run_cli("load", str(tiny), "--world-size", "2", "--timeout", "0.2", "--json")
+    timed_out = cli("load", str(tiny), "--world-size", "2", "--timeout", "0.2", "--json")
     assert timed_out.returncode == 1
     assert "timeout" in json.loads(timed_out.stdout)["errors"][0]["message"]
 
 
-def test_invalid_load_input_exits_2_before_anything_starts(tiny):
-    result = run_cli("load", str(tiny), "--world-size", "3")
+def test_invalid_load_input_exits_2_before_anything_starts(tiny, cli):
+    result = cli("load", str(tiny), "--world-size", "3")
     assert result.returncode == 2
     assert "heads" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-def test_demo_makes_plans_loads_and_verifies(tmp_path):
-    result = run_cli("demo", "--preset", "tiny", env={"TPVIZ_CACHE": str(tmp_path)})
+@pytest.mark.slow
+def test_demo_makes_plans_loads_and_verifies(tmp_path, cli):
+    result = cli("demo", "--preset", "tiny", env={"TPVIZ_CACHE": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "demo-tiny" / "config.json").exists()
     assert "embedding_rowwise" in result.stdout  # the plan table
     assert "verify: max |logits - reference|" in result.stdout and ": ok" in result.stdout
-    again = run_cli("demo", "--preset", "tiny", "--json", env={"TPVIZ_CACHE": str(tmp_path)})
+    again = cli("demo", "--preset", "tiny", "--json", env={"TPVIZ_CACHE": str(tmp_path)})
     assert again.returncode == 0 and json.loads(again.stdout)["verify"]["ok"]
 
 
+@pytest.mark.slow
 def test_an_abandoned_job_is_shut_down_when_collected(tiny):
     job = tpviz.launch(tiny, 2)
     job.wait(120)

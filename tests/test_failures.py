@@ -73,6 +73,7 @@ def expect_failure(source, plan, **kwargs) -> tpviz.LoadError:
     return err.value
 
 
+@pytest.mark.slow
 def test_truncated_file_names_rank_module_and_file(broken):
     source, plan = broken
     name = "model.layers.1.mlp.up_proj.weight"
@@ -86,6 +87,7 @@ def test_truncated_file_names_rank_module_and_file(broken):
     assert digest(source) == before
 
 
+@pytest.mark.slow
 def test_shape_mismatch_found_at_read_time(broken):
     source, plan = broken
     name = "model.layers.0.self_attn.k_proj.weight"
@@ -100,6 +102,7 @@ def test_shape_mismatch_found_at_read_time(broken):
     assert digest(source) == before
 
 
+@pytest.mark.slow
 def test_tensor_missing_at_read_time(broken):
     source, plan = broken
     name = "model.norm.weight"
@@ -112,6 +115,7 @@ def test_tensor_missing_at_read_time(broken):
     assert error.rank in (0, 1) and str(path.name) in str(error)
 
 
+@pytest.mark.slow
 def test_rank_failing_in_rank0_broadcast_does_not_leave_peers_waiting(broken):
     source, plan = broken
     path = file_of(source, "model.layers.0.mlp.gate_proj.weight")
@@ -127,6 +131,7 @@ def small(checkpoints):
     return make_checkpoint(checkpoints / "small", "small")
 
 
+@pytest.mark.slow
 def test_rank_killed_from_outside_fails_the_job_naming_it(small):
     killed = threading.Event()
 
@@ -155,6 +160,7 @@ PARENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_killed_parent_takes_every_rank_with_it(tmp_path, tiny):
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
@@ -181,6 +187,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_cancel_and_timeout_end_every_rank(tiny):
     job = tpviz.launch(tiny, 2)
     job.cancel()
@@ -198,6 +205,7 @@ def _open_files() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+@pytest.mark.slow
 def test_twenty_launch_cancel_cycles_leave_nothing_behind(tiny):
     plan = resolve_plan(tiny, 2)
     with tpviz.launch(tiny, 2, plan) as job:  # warm: first-use imports and threads
@@ -216,6 +224,7 @@ def test_twenty_launch_cancel_cycles_leave_nothing_behind(tiny):
         assert job.wait(120)["plan_matches_shards"]
 
 
+@pytest.mark.slow
 def test_ranks_listen_on_loopback_only(tiny):
     with tpviz.launch(tiny, 2) as job:
         job.wait(120)

@@ -108,6 +108,7 @@ def test_attention_sinks_are_sharded_by_head_and_used_as_local_tensors(hf_models
     assert {e.code for e in clash.errors} == {"conflicting_style"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, world_size",
     [
@@ -124,13 +125,15 @@ def test_attention_sinks_are_sharded_by_head_and_used_as_local_tensors(hf_models
 def test_logits_match_transformers(hf_models, name, world_size):
     source = hf_models[name]
     expected = transformers_logits(source)
-    with tpviz.launch(source, world_size, model="hf") as job:
+    with tpviz.launch(source, world_size, model="hf", verify=True) as job:
         result = job.wait(180)
         logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
     assert result["plan_matches_shards"]
+    assert result["verify"]["ok"] and result["verify"]["max_abs_diff"] <= 1e-4
     assert (logits - expected).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow
 def test_packed_colwise_keeps_the_phi3_mlp_sharded(hf_models):
     source = hf_models["phi3"]
     plan = {
@@ -156,17 +159,26 @@ def test_packed_colwise_keeps_the_phi3_mlp_sharded(hf_models):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_cli_plan_and_load_verify(hf_models, name):
+def test_cli_plan(hf_models, name, cli):
     source = str(hf_models[name])
-    shown = run_cli("plan", source, "--world-size", "2", "--json")
+    shown = cli("plan", source, "--world-size", "2", "--json")
     assert shown.returncode == 0, shown.stderr
     assert not json.loads(shown.stdout)["errors"]
-    loaded = run_cli("load", source, "--world-size", "2", "--verify", "--json")
+
+
+# every architecture loads and verifies in test_logits_match_transformers: through the CLI,
+# one on the built-in model (auto picks it for Llama) and one on the transformers adapter
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_cli_load_verify(hf_models, name, cli):
+    source = str(hf_models[name])
+    loaded = cli("load", source, "--world-size", "2", "--verify", "--json")
     assert loaded.returncode == 0, loaded.stderr
     verify = json.loads(loaded.stdout)["verify"]
     assert verify["ok"] and verify["max_abs_diff"] <= 1e-4
 
 
+@pytest.mark.slow
 def test_random_init_uses_transformers_init(hf_models):
     with tpviz.launch(
         hf_models["qwen3"], 2, strategy="rank0_broadcast", init="random", seed=5, verify=True
@@ -184,7 +196,7 @@ def _weight_std(model, name):
     return local_of(model.get_parameter(name)).std().item()
 
 
-def test_moe_expert_styles_are_reported_before_launch(tmp_path):
+def test_moe_expert_styles_are_reported_before_launch(tmp_path, cli):
     config = transformers.MixtralConfig(
         vocab_size=1000,
         hidden_size=64,
@@ -195,7 +207,7 @@ def test_moe_expert_styles_are_reported_before_launch(tmp_path):
         num_local_experts=4,
     )
     config.save_pretrained(tmp_path / "mixtral")
-    result = run_cli("plan", str(tmp_path / "mixtral"), "--world-size", "2", "--json")
+    result = cli("plan", str(tmp_path / "mixtral"), "--world-size", "2", "--json")
     assert result.returncode == 2
     (error,) = [e for e in json.loads(result.stdout)["errors"] if e["code"] == "unsupported_style"]
     assert "moe_tp_experts" in error["message"] and "model.layers.0.mlp.experts" in error["message"]
@@ -203,6 +215,7 @@ def test_moe_expert_styles_are_reported_before_launch(tmp_path):
         tpviz.launch(tmp_path / "mixtral", 2, init="random")
 
 
+@pytest.mark.slow  # a fresh interpreter without transformers
 def test_without_transformers_other_architectures_say_to_install_the_extra(hf_models):
     code = (
         "import sys; sys.modules['transformers'] = None; from tpviz.cli import main; "
@@ -239,6 +252,7 @@ class RemoteLlamaForCausalLM(LlamaForCausalLM):
 """
 
 
+@pytest.mark.slow  # fresh interpreters: HF_MODULES_CACHE is read when transformers is imported
 def test_code_shipped_with_a_checkpoint_runs_only_when_asked(hf_models, tmp_path):
     source = tmp_path / "remote"
     source.mkdir()

@@ -59,12 +59,14 @@ def widget_states(nb) -> list[dict]:
     return [m["state"] for m in state.values()]
 
 
+@pytest.mark.slow
 def test_01_explore_plan(cache, tmp_path, monkeypatch):
     nb = run(NOTEBOOKS[0], cache, tmp_path, monkeypatch)
     text = json.dumps([c.get("outputs", []) for c in nb.cells])
     assert "head_alignment" in text and (cache / "plan.html").stat().st_size > 1_000_000
 
 
+@pytest.mark.slow
 def test_02_live_load_ends_with_the_summary_table(cache, tmp_path, monkeypatch):
     nb = run(NOTEBOOKS[1], cache, tmp_path, monkeypatch)
     markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
@@ -80,6 +82,7 @@ def test_02_live_load_ends_with_the_summary_table(cache, tmp_path, monkeypatch):
     assert len(bars) == 2 and all(b["value"] == b["max"] > 0 for b in bars)
 
 
+@pytest.mark.slow
 def test_03_compare_strategies(cache, tmp_path, monkeypatch):
     nb = run(NOTEBOOKS[2], cache, tmp_path, monkeypatch)
     text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))

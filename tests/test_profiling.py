@@ -24,6 +24,7 @@ def profiled(tmp_path_factory, tiny):
     return profile_dir, result
 
 
+@pytest.mark.slow
 def test_one_trace_per_rank_with_a_range_per_module(profiled, tiny):
     profile_dir, result = profiled
     traces = sorted(profile_dir.glob("*.pt.trace.json"))
@@ -35,6 +36,7 @@ def test_one_trace_per_rank_with_a_range_per_module(profiled, tiny):
         assert {"tpviz.phase/loading", "tpviz.phase/forward", "tpviz.read"} <= names
 
 
+@pytest.mark.slow
 def test_result_summarises_the_traces(profiled):
     _, result = profiled
     assert result["profile"]["dir"].endswith("tiny-sliced")
@@ -57,6 +59,7 @@ def _get(url: str):
         return json.loads(response.read())
 
 
+@pytest.mark.slow
 def test_tensorboard_lists_the_run_with_a_worker_per_rank(profiled):
     profile_dir, _ = profiled
     tensorboard = shutil.which("tensorboard", path=str(Path(sys.executable).parent))

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import tpviz
+from tpviz.launcher import LoadJob
 from tpviz.plan import resolve_plan
-
-from .conftest import run_cli
+from tpviz.runtime.loader import LoadOptions
 
 STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
 
@@ -19,7 +19,7 @@ def _load_all(source, world_size):
     for strategy in STRATEGIES:
         with tpviz.launch(source, world_size, plan, strategy=strategy, verify=True) as job:
             result = job.wait(180)
-            state = job.call("tpviz.runtime.worker:local_state")
+            state = job.call("tests.helpers:local_state")
         out[strategy] = (result, state)
     return plan, out
 
@@ -30,6 +30,7 @@ def loads(request, tiny, uneven3):
     return _load_all(source, request.param)
 
 
+@pytest.mark.slow
 def test_every_strategy_gives_bit_identical_shards(loads):
     plan, out = loads
     _, reference = out["sliced"]
@@ -41,6 +42,7 @@ def test_every_strategy_gives_bit_identical_shards(loads):
                 assert torch.equal(state[rank][name], tensor), (strategy, rank, name)
 
 
+@pytest.mark.slow
 def test_every_strategy_matches_the_reference_logits(loads):
     plan, out = loads
     for strategy, (result, _) in out.items():
@@ -50,6 +52,7 @@ def test_every_strategy_matches_the_reference_logits(loads):
         assert [r["param_bytes"] for r in result["ranks"]] == plan.per_rank_bytes
 
 
+@pytest.mark.slow
 def test_accounting_has_each_strategys_shape(loads):
     plan, out = loads
     whole = sum(t.source_nbytes() for t in plan.params if t.origin == "checkpoint")
@@ -73,6 +76,7 @@ def test_accounting_has_each_strategys_shape(loads):
     assert all(r["bytes_sent"] == r["bytes_received"] == 0 for r in sliced + replicated)
 
 
+@pytest.mark.slow
 def test_random_init_is_one_consistent_model(config_only):
     checks = {}
     for strategy in STRATEGIES:
@@ -94,11 +98,12 @@ def test_random_init_is_one_consistent_model(config_only):
             assert r["bytes_sent"] == r["forecast_bytes_sent"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, skewed", [("replicated", 1), ("rank0_broadcast", 0)])
 def test_a_diverged_seed_on_one_rank_is_caught_naming_the_tensor(config_only, strategy, skewed):
-    with tpviz.launch(
-        config_only, 2, strategy=strategy, init="random", seed=11, seed_skew={skewed: 1}
-    ) as job:
+    # LoadOptions.seed_skew shifts one rank's seed: reached here, not through launch()
+    options = LoadOptions(strategy, "random", 11, seed_skew={skewed: 1})
+    with LoadJob(resolve_plan(config_only, 2), options) as job:
         check = job.wait(180)["init_check"]
     assert not check["ok"] and check["matches_single_process"] is False
     assert "model.layers.0.self_attn.q_proj.weight" in check["mismatched"]
@@ -109,10 +114,11 @@ def test_config_only_source_needs_random_init(config_only):
         tpviz.launch(config_only, 2)
 
 
-def test_cli_load_random_init_and_compare(tmp_path, config_only, tiny):
+@pytest.mark.slow
+def test_cli_load_random_init_and_compare(tmp_path, config_only, tiny, cli):
     import json
 
-    result = run_cli(
+    result = cli(
         "load",
         str(config_only),
         "--init",
@@ -125,7 +131,7 @@ def test_cli_load_random_init_and_compare(tmp_path, config_only, tiny):
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["init_check"]["matches_single_process"]
-    compared = run_cli("compare", str(tiny), "--world-size", "2", "--json")
+    compared = cli("compare", str(tiny), "--world-size", "2", "--json")
     assert compared.returncode == 0, compared.stderr
     entries = json.loads(compared.stdout)["strategies"]
     assert [e["strategy"] for e in entries] == list(STRATEGIES)

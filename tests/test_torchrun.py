@@ -7,10 +7,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tpviz.events import Done, Memory, UnitDone, UnitStart, read_events_dir
 from tpviz.plan import resolve_plan
 
 from .conftest import REPO
+
+pytestmark = pytest.mark.slow
 
 
 def test_load_sharded_under_torchrun_writes_each_ranks_events(tmp_path, tiny):

@@ -381,12 +381,14 @@ def monitored(tiny, tmp_path_factory):
     job.shutdown()
 
 
+@pytest.mark.slow
 def test_monitor_does_not_block_while_the_job_loads(monitored):
     job, monitor, built, state, _ = monitored
     assert state == "starting"  # the constructor returned while the ranks still started
     assert monitor.updates >= 2  # and redraws came later, from background threads
 
 
+@pytest.mark.slow
 def test_monitor_draws_one_memory_line_per_rank_with_dashed_forecasts(monitored):
     job, monitor, *_ = monitored
     data = monitor.chart.figure.data
@@ -404,6 +406,7 @@ def test_monitor_draws_one_memory_line_per_rank_with_dashed_forecasts(monitored)
     monitor.chart.measure.value = "rss_growth"
 
 
+@pytest.mark.slow
 def test_monitor_progress_bars_reach_their_end_and_summary_appears(monitored):
     job, monitor, *_ = monitored
     units = len(job.plan.units())
@@ -420,6 +423,7 @@ def test_monitor_progress_bars_reach_their_end_and_summary_appears(monitored):
     assert monitor.wait(1) is job.result
 
 
+@pytest.mark.slow
 def test_monitor_to_html_and_report_are_self_contained(monitored, tmp_path):
     job, monitor, *_ = monitored
     html = monitor.to_html()
@@ -434,6 +438,7 @@ def test_monitor_to_html_and_report_are_self_contained(monitored, tmp_path):
     assert with_events.count("plotly.js v") == 1  # inlined once
 
 
+@pytest.mark.slow
 def test_monitor_follows_an_events_dir(monitored):
     job, _, _, _, events_dir = monitored
     follower = tpviz.LoadMonitor.from_events_dir(events_dir, poll_seconds=0.05)
@@ -450,6 +455,7 @@ def test_monitor_follows_an_events_dir(monitored):
     assert all(bar.value == bar.max == units for bar, _ in follower._bars.values())
 
 
+@pytest.mark.slow
 def test_cancel_button_really_cancels(tiny):
     job = tpviz.launch(tiny, 2, timeout=WAIT)
     monitor = tpviz.LoadMonitor(job)
@@ -465,7 +471,8 @@ def test_cancel_button_really_cancels(tiny):
 
 
 def test_events_carry_what_the_monitor_tracks():
-    monitor = tpviz.LoadMonitor()
+    fake = FakeTime()
+    monitor = tpviz.LoadMonitor(clock=fake.clock, schedule=fake.schedule)
     monitor.feed(
         [
             Phase(0, 1.0, name="loading"),
@@ -474,7 +481,7 @@ def test_events_carry_what_the_monitor_tracks():
             UnitStart(0, 1.3, module="b", bytes=4, index=1, total=2),
         ]
     )
-    time.sleep(0.3)  # the trailing redraw runs on a timer thread
+    fake.drain()  # the trailing redraw, due after the throttle's interval
     bar, text = monitor._bars[0]
     assert (bar.value, bar.max) == (1, 2) and "1/2 modules" in text.value and "· b" in text.value
     monitor.feed(
@@ -495,12 +502,14 @@ def test_events_carry_what_the_monitor_tracks():
             )
         ]
     )
+    fake.drain()
     assert monitor.wait(5)["ranks"][0]["param_bytes"] == 12
 
 
 # --- Dashboard --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dashboard_validates_loads_and_overlays_strategies(tmp_path):
     dash = tpviz.Dashboard(cache=tmp_path)
     assert dash.source.value == str(tmp_path / "demo-tiny") and dash.plan.world_size == 2

@@ -117,7 +117,6 @@ class LoadJob:
             for r in range(plan.world_size)
         }
         self._vocab: int | None = None  # read from config.json on the first forward
-        self.messages_received = 0  # batches and replies from the ranks: bounded per second
         self._events: list[Event] = []
         self._subscribers: list[Callable[[Event], None]] = []
         self._replies: dict[int, dict[int, tuple[bool, Any]]] = {}
@@ -200,7 +199,6 @@ class LoadJob:
     # --- the pump ---------------------------------------------------------------------------
 
     def _handle(self, rank: int, message: tuple) -> None:
-        self.messages_received += 1
         kind = message[0]
         if kind == "events":
             batch = message[1]
@@ -534,7 +532,6 @@ def launch(
     profile_forward: bool = False,
     memory_hz: float = 20.0,
     force: bool = False,
-    seed_skew: dict[int, int] | None = None,
 ) -> LoadJob:
     """Start loading `source` on `world_size` local ranks; returns a LoadJob at once.
 
@@ -542,7 +539,6 @@ def launch(
     `init="random"` initialises from `seed` instead of loading (a config-only source needs it).
     `profile_dir` writes torch.profiler traces (one TensorBoard worker per rank);
     `profile_forward` also profiles one forward of the fixed prompt after loading.
-    `seed_skew` ({rank: offset}) shifts one rank's seed: a test hook for the init checks.
     """
     _end_rank_running_an_unguarded_script()
     if timeout is not None and (
@@ -571,7 +567,7 @@ def launch(
         events_dir = check_output_dir(events_dir, "events dir", resolved.source)
     if profile_dir:
         profile_dir = check_output_dir(profile_dir, "profile dir", resolved.source)
-    options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward, seed_skew)
+    options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
     options.validate(resolved)
     if not force:
         check_memory(resolved, strategy, device, options.init)

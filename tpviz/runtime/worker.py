@@ -20,12 +20,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..events import Error, Phase
 from ..plan import ResolvedPlan
 from .loader import LoadOptions, ShardedModel, load_in_group, rank_device
-from .parallelize import local_of
 from .sink import EventSink
 from .strategies import LoadFailure
 
@@ -146,13 +144,6 @@ def resolve_callable(fn: Callable | str) -> Callable:
 
 def _call(loaded: ShardedModel, fn: Callable | str, args: tuple, kwargs: dict) -> Any:
     return resolve_callable(fn)(loaded.model, *args, **kwargs)
-
-
-def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's local tensors (shards as they are held), on CPU: for `LoadJob.call`."""
-    tensors = dict(model.named_parameters())
-    tensors.update(model.named_buffers())
-    return {name: local_of(t).detach().cpu().clone() for name, t in tensors.items()}
 
 
 COMMANDS: dict[str, Callable[..., Any]] = {
