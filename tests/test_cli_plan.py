@@ -88,7 +88,9 @@ def test_plan_errors_keep_stdout_and_give_stderr_one_line_and_exit_2(tiny, capsy
     out, err = capsys.readouterr()
     errors = json.loads(out)["errors"]
     assert len(errors) == 2 and {e["code"] for e in errors} == {"head_alignment"}
-    assert len(err.strip().splitlines()) == 1 and "heads" in err and "; and 1 more plan error" in err
+    assert (
+        len(err.strip().splitlines()) == 1 and "heads" in err and "; and 1 more plan error" in err
+    )
     assert main(["plan", str(tiny), "--world-size", "3"]) == 2
     out, err = capsys.readouterr()
     assert "error [head_alignment]" in out and len(err.strip().splitlines()) == 1
