@@ -10,7 +10,7 @@ import stat
 import pytest
 
 from tpviz.cli import main
-from tpviz.report import human_bytes
+from tpviz.format import human_bytes
 
 from .conftest import run_cli, write_config
 from .test_plan import LLAMA_70B

@@ -13,6 +13,7 @@ import pytest
 
 import tpviz
 from tpviz.events import Done, Memory, Phase, UnitDone, UnitStart
+from tpviz.format import count, layer_of
 from tpviz.plan import RankShard, TensorPlan, forecast, local_shape, resolve_plan, shard_blocks
 from tpviz.report import html_report, write_html_report
 from tpviz.widgets import figures
@@ -170,7 +171,7 @@ def test_representative_tensor_prefers_an_uneven_split(uneven3, tiny):
         "embed_tokens.weight"
     )
     chosen = figures.representative_tensor(resolve_plan(tiny, 2).params)
-    assert chosen.shard_dim is not None and figures.layer_of(chosen.name) is not None
+    assert chosen.shard_dim is not None and layer_of(chosen.name) is not None
 
 
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])
@@ -206,7 +207,7 @@ def test_overlaid_loads_keep_a_short_legend_grouped_per_load(tiny):
 
 
 def test_counts_say_tensor_for_one():
-    assert figures.count(1, "tensor") == "1 tensor" and figures.count(2, "tensor") == "2 tensors"
+    assert count(1, "tensor") == "1 tensor" and count(2, "tensor") == "2 tensors"
 
 
 def test_memory_figure_has_one_line_per_rank_and_dashed_forecasts(tiny):

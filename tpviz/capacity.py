@@ -15,7 +15,7 @@ import os
 
 import psutil
 
-from .report import human_bytes
+from .format import human_bytes
 
 RANK_PRIVATE_BYTES = 214 * 1024**2
 RANK_TASKS = 6  # threads per rank; RLIMIT_NPROC counts threads

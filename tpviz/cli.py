@@ -20,10 +20,6 @@ STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
 JSON_HELP = "print the result as JSON on stdout (also on failure, then with errors)"
 
 
-class InvalidInput(Exception):
-    pass
-
-
 def _shared(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
     p.add_argument("--plan", help="plan file: {pattern: style} or transformers' tp_plan form")
@@ -172,7 +168,7 @@ def _is_invalid_input(e: Exception) -> bool:
         return True
     if isinstance(e, LoadError):
         return False
-    return isinstance(e, (ValueError, FileNotFoundError, FileExistsError, InvalidInput))
+    return isinstance(e, (ValueError, FileNotFoundError, FileExistsError))
 
 
 def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
@@ -183,8 +179,8 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from .format import human_bytes
     from .models.demo import DEFAULT_MAX_SHARD_SIZE, make_checkpoint
-    from .report import human_bytes
 
     out = make_checkpoint(
         args.directory,

@@ -25,6 +25,7 @@ from .checkpoint import Checkpoint, dtype_name, torch_dtype
 from .chunks import Block, local_shape, shard_blocks
 from .chunks import chunk_offsets as chunk_offsets  # re-exported
 from .chunks import chunk_sizes as chunk_sizes  # re-exported
+from .format import fold_layers
 from .inputs import read_json
 from .models import (
     ModelAdapter,
@@ -603,7 +604,7 @@ def _place_head_params(
         elif entry.placement == "replicate" and module_styles.get(hp.module) in PLAIN_TENSOR_STYLES:
             _shard_rows(entry, world_size)
             module_styles[hp.module] = "local_params"
-            resharded.setdefault(re.sub(r"\.\d+\.", ".*.", hp.name), []).append(entry)
+            resharded.setdefault(fold_layers(hp.name), []).append(entry)
     for folded, found in resharded.items():
         warnings.add(
             "sharded_by_head",

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from .report import human_bytes
+from .format import human_bytes
 
 
 def follow(job, show: bool, label: str = "") -> dict[str, Any]:

@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from html import escape
 from pathlib import Path
 from typing import Any
 
 from . import styles
+from .format import fold_layers, human_bytes, shape_text, verdict
 from .outputs import write_text
 from .plan import ResolvedPlan
-
-_INDEX = re.compile(r"\.\d+\.")
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
@@ -41,10 +29,6 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence
     return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
 
 
-def shape_text(shape) -> str:
-    return "×".join(map(str, shape)) if len(shape) else "scalar"
-
-
 def plan_table(plan: ResolvedPlan, full: bool = False) -> str:
     """One row per tensor; unless `full`, tensors that differ only by layer index are folded
     into one row with a count (`model.layers.*.mlp.up_proj.weight x80`) whose bytes are the
@@ -52,7 +36,7 @@ def plan_table(plan: ResolvedPlan, full: bool = False) -> str:
     the width does not grow with the world size. Rows in error show the style as given."""
     groups: dict[tuple, list] = {}
     for t in plan.params:
-        name = t.name if full else _INDEX.sub(".*.", t.name)
+        name = t.name if full else fold_layers(t.name)
         key = (
             name,
             t.style_given,
@@ -154,14 +138,14 @@ def load_table(result: dict[str, Any]) -> str:
     ]
     verify = result.get("verify")
     if verify:
-        verdict = {True: "ok", False: "FAILED", None: "not comparable"}[verify.get("ok")]
+        outcome = verdict(verify.get("ok"))
         if "max_abs_diff" in verify:
             lines.append(
                 f"verify: max |logits - reference| = {verify['max_abs_diff']:.3g} "
-                f"(tolerance {verify['tolerance']:g}): {verdict}"
+                f"(tolerance {verify['tolerance']:g}): {outcome}"
             )
         else:
-            lines.append(f"verify: {verdict}: {verify.get('error')}")
+            lines.append(f"verify: {outcome}: {verify.get('error')}")
         if verify.get("note"):
             lines.append(f"  {verify['note']}")
     check = result.get("init_check")

@@ -74,11 +74,6 @@ class HFAdapter(ModelAdapter):
             ) from None
         return model
 
-    def default_plan(self, model: nn.Module) -> dict[str, str]:
-        """The plan transformers computes for this instance: the class's `_tp_plan`, the
-        config's `base_model_tp_plan`, the embedding it adds, and the children's plans."""
-        return dict(getattr(model, "tp_plan", None) or {})
-
     def head_counts(self, config: dict[str, Any]) -> HeadCounts | None:
         return HeadCounts.from_config(self.hf_config.get_text_config())
 

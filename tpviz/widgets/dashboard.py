@@ -14,10 +14,11 @@ from typing import Any
 import ipywidgets as widgets
 import torch
 
+from ..format import human_bytes
 from ..launcher import LoadError, LoadJob, launch
 from ..models.demo import PRESETS, cache_dir, demo_checkpoint
 from ..plan import STRATEGIES, ResolvedPlan, load_plan_patterns, resolve_plan
-from ..report import html_page, human_bytes, load_parts, plan_parts
+from ..report import html_page, load_parts, plan_parts
 from . import figures
 from .monitor import LoadMonitor, MemoryChart
 from .plan_view import PlanView, issues_html

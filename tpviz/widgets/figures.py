@@ -7,7 +7,6 @@ that is drawn is testable headless and exportable to static HTML.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,8 +16,8 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 
 from ..events import Event, Memory, Phase
+from ..format import count, fold_layers, human_bytes, layer_of, shape_text, verdict
 from ..plan import Block, ResolvedPlan, TensorPlan, forecast
-from ..report import human_bytes, shape_text
 from ..styles import DEFAULT_STYLE, STYLES
 
 RANK_COLORS = qualitative.Plotly
@@ -81,15 +80,6 @@ def titled(title: str, note: str) -> dict[str, str]:
 
 def default_measure(device: str) -> str:
     return "cuda_allocated" if device == "cuda" else "rss_growth"
-
-
-def layer_of(name: str) -> str | None:
-    """The layer a tensor belongs to (`model.layers.3`): its name up to the first index."""
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if i and part.isdigit():
-            return ".".join(parts[: i + 1])
-    return None
 
 
 # --- plans ------------------------------------------------------------------------------------
@@ -294,18 +284,17 @@ def representative_tensor(tensors: Sequence[TensorPlan]) -> TensorPlan:
     return sharded[0] if sharded else tensors[0]
 
 
-def count(n: int, noun: str) -> str:
-    """`1 tensor`, `2 tensors`."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 def plan_table_figure(plan: ResolvedPlan) -> go.Figure:
     """The plan as a table; tensors that differ only by layer index fold into one row."""
     groups: dict[tuple, list[TensorPlan]] = {}
     for t in plan.params:
-        layer = layer_of(t.name)
-        name = t.name if layer is None else re.sub(r"\.\d+$", ".*", layer) + t.name[len(layer) :]
-        key = (name, t.style, t.placement, tuple(t.global_shape), tuple(map(tuple, _shapes(t))))
+        key = (
+            fold_layers(t.name),
+            t.style,
+            t.placement,
+            tuple(t.global_shape),
+            tuple(map(tuple, _shapes(t))),
+        )
         groups.setdefault(key, []).append(t)
     w = plan.world_size
     columns: list[list[str]] = [[] for _ in range(5 + w)]
@@ -571,11 +560,11 @@ def verify_text(result: dict[str, Any]) -> str | None:
     verify = result.get("verify")
     if not verify:
         return None
-    verdict = {True: "ok", False: "FAILED", None: "not comparable"}[verify.get("ok")]
+    outcome = verdict(verify.get("ok"))
     if "max_abs_diff" not in verify:
-        return f"verification {verdict}: {verify.get('error') or verify.get('note', '')}"
+        return f"verification {outcome}: {verify.get('error') or verify.get('note', '')}"
     return (
-        f"verification {verdict}: max |logits − reference| = {verify['max_abs_diff']:.3g} "
+        f"verification {outcome}: max |logits − reference| = {verify['max_abs_diff']:.3g} "
         f"(tolerance {verify['tolerance']:g})"
     )
 

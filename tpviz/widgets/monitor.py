@@ -19,9 +19,10 @@ import ipywidgets as widgets
 from plotly.graph_objects import FigureWidget  # at import: it takes seconds the first time
 
 from ..events import Done, Error, Event, JsonlTail, Phase, UnitDone, UnitStart
+from ..format import human_bytes
 from ..launcher import LoadError, LoadJob
 from ..plan import ResolvedPlan
-from ..report import html_page, human_bytes, load_parts, plan_parts
+from ..report import html_page, load_parts, plan_parts
 from . import figures
 from .throttle import Schedule, Throttle, timer_thread
 

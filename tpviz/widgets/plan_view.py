@@ -16,8 +16,9 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.graph_objects import FigureWidget  # at import: it takes seconds the first time
 
+from ..format import count, human_bytes, layer_of, shape_text
 from ..plan import ResolvedPlan, TensorPlan, resolve_plan
-from ..report import html_page, human_bytes, plan_parts
+from ..report import html_page, plan_parts
 from . import figures
 
 _CSS = """<style>
@@ -69,7 +70,7 @@ def _nowrap(text: str) -> str:
 def _rank_cell(t: TensorPlan, rank: int) -> str:
     """Shape and bytes each kept whole: a narrow cell wraps between them, never inside one."""
     shard = t.ranks[rank]
-    shape = _nowrap(figures.shape_text(shard.shape))
+    shape = _nowrap(shape_text(shard.shape))
     if t.shard_dim is None:
         return f"{shape} full · {_nowrap(human_bytes(shard.bytes))}"
     if not shard.blocks:
@@ -94,7 +95,7 @@ def _table(rows: list[TensorPlan], world_size: int, prefix: str) -> str:
             f'<td title="{escape(t.name)}">{escape(name)}{extra}</td>',
             f"<td>{badge(t.style, t.style_given)}</td>",
             f"<td>{t.placement}</td>",
-            f"<td>{figures.shape_text(t.global_shape)}</td>",
+            f"<td>{shape_text(t.global_shape)}</td>",
             *(f"<td>{_rank_cell(t, r)}</td>" for r in range(world_size)),
         ]
         body.append(f"<tr>{''.join(cells)}</tr>")
@@ -105,7 +106,7 @@ def table_html(plan: ResolvedPlan, tensors: list[TensorPlan], open_all: bool = F
     """The module table in load order; each layer's tensors fold into a `<details>` block."""
     segments: list[tuple[str | None, list[TensorPlan]]] = []
     for t in tensors:
-        layer = figures.layer_of(t.name)
+        layer = layer_of(t.name)
         if segments and segments[-1][0] == layer:
             segments[-1][1].append(t)
         else:
@@ -122,7 +123,7 @@ def table_html(plan: ResolvedPlan, tensors: list[TensorPlan], open_all: bool = F
         opened = " open" if open_all or first_layer else ""
         first_layer = False
         out.append(
-            f"<details{opened}><summary>{escape(layer)}: {figures.count(len(rows), 'tensor')}, "
+            f"<details{opened}><summary>{escape(layer)}: {count(len(rows), 'tensor')}, "
             f"{human_bytes(per_rank)} on rank 0 {styles}</summary>{table}</details>"
         )
     if not tensors:
@@ -272,7 +273,7 @@ class PlanView(widgets.VBox):
         )
         return (
             f"<b>{escape(str(plan.source))}</b><br>{plan.world_size} rank(s), {plan.dtype}, "
-            f"{figures.count(len(plan.params), 'tensor')}, model {human_bytes(plan.total_bytes)}; "
+            f"{count(len(plan.params), 'tensor')}, model {human_bytes(plan.total_bytes)}; "
             f"per rank: {per_rank}"
         )
 

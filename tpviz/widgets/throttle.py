@@ -41,7 +41,6 @@ class Throttle:
         self._lock = threading.Lock()
         # one run at a time, whichever thread asks; reentrant, as an action may cause requests
         self._running = threading.RLock()
-        self.runs = 0
 
     def request(self) -> None:
         with self._lock:
@@ -66,5 +65,4 @@ class Throttle:
 
     def _run(self) -> None:
         with self._running:
-            self.runs += 1
             self._action()
