@@ -52,7 +52,8 @@ class LoadOptions:
     memory_hz: float = 20.0
     profile_dir: str | None = None
     profile_forward: bool = False  # also profile one forward of the fixed prompt
-    seed_skew: dict[int, int] = field(default_factory=dict)  # test hook: rank -> seed offset
+    # rank -> seed offset: lets a test make one rank diverge; deliberately not a launch() argument
+    seed_skew: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.profile_dir = str(self.profile_dir) if self.profile_dir else None
