@@ -255,3 +255,76 @@ def test_loading_a_plan_that_shards_nothing_warns(hf_checkpoints):
     assert result["plan_matches_shards"]
     assert [w["code"] for w in result["warnings"]] == ["mostly_replicated"]
     assert "warning [mostly_replicated]" in load_table(result)
+
+
+# --- a conversion registered with transformers: fused projections -------------------------------
+
+REGISTERED = """
+import json, sys
+import torch
+import transformers
+import tpviz
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Concatenate, Transpose, WeightConverter
+
+source, prompt = sys.argv[1], torch.tensor(json.loads(sys.argv[2])) % 1003
+fused = WeightConverter(
+    ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.gate_up_proj.weight", [Concatenate(0)]
+)
+register_checkpoint_conversion_mapping("phi3", [fused])
+plan = tpviz.resolve_plan(source, 2)
+gate_up = plan.tensor("model.layers.0.mlp.gate_up_proj.weight")
+with tpviz.launch(source, 2, plan, verify=True) as job:
+    result = job.wait(180)
+    logits = job.forward(prompt)
+expected = transformers.AutoModelForCausalLM.from_pretrained(source)(prompt).logits
+qkv = "self_attn.qkv_proj.weight"
+transposed = WeightConverter(qkv, qkv, [Transpose()])
+register_checkpoint_conversion_mapping("phi3", [fused, transposed], overwrite=True)
+print(json.dumps({
+    "errors": [e.code for e in plan.errors],
+    "keys": gate_up.checkpoint_keys,
+    "combine": gate_up.combine,
+    "ok": result["plan_matches_shards"] and result["verify"]["ok"],
+    "diff": (logits - expected).abs().max().item(),
+    "unsupported": [(e.code, e.name, e.message) for e in tpviz.resolve_plan(source, 2).errors],
+}))
+"""
+
+
+@pytest.mark.slow
+def test_projections_fused_by_a_registered_conversion_are_read_per_source(tmp_path):
+    """A user's conversion registered with transformers (public API) is applied too: phi3's
+    fused gate_up_proj read from separate gate and up tensors, each rank its slices of both."""
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.Phi3Config(**{**COMMON, "num_key_value_heads": 8}, pad_token_id=0)
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("mlp.gate_up_proj.weight")]:
+        gate, up = tensors.pop(name).chunk(2)
+        tensors[name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+        tensors[name.replace("gate_up_proj", "up_proj")] = up.contiguous()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    run = subprocess.run(
+        [sys.executable, "-c", REGISTERED, str(tmp_path), json.dumps(FIXED_PROMPT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["errors"] == [] and out["ok"] and out["diff"] <= 1e-4
+    layer = "model.layers.0.mlp"
+    assert out["keys"] == [f"{layer}.gate_proj.weight", f"{layer}.up_proj.weight"]
+    assert out["combine"] == "cat(0)"
+    codes = {code for code, _, _ in out["unsupported"]}
+    assert codes == {"unsupported_conversion"}
+    assert "Transpose" in out["unsupported"][0][2] and "qkv_proj" in out["unsupported"][0][1]
