@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .checkpoint import Checkpoint, contiguous_runs
+from .checkpoint import Checkpoint
 
 
 @dataclass(slots=True)
@@ -131,13 +131,14 @@ def match_checkpoint(entries: Sequence, ckpt: Checkpoint, keymap: KeyMap | None,
                 "one dtype",
             )
         if found.shape != e.global_shape:
-            where = infos[0].file if len(infos) == 1 else f"its {len(infos)} checkpoint tensors"
+            if len(infos) == 1:
+                held = f"{infos[0].file} holds {found.shape} as {found.keys[0]}"
+            else:
+                held = f"its {len(infos)} checkpoint tensors make {found.shape} ({found.combine})"
             errors.add(
                 "shape_mismatch",
                 e.name,
-                f"{e.name}: the model expects shape {e.global_shape}, {where} "
-                f"{'holds' if len(infos) == 1 else 'make'} {found.shape}"
-                + (f" ({found.keys[0]})" if found.keys != [e.name] and len(infos) == 1 else ""),
+                f"{e.name}: the model expects shape {e.global_shape}, {held}",
             )
     for name in sorted(set(ckpt.tensors) - used):
         errors.add(
@@ -178,21 +179,34 @@ def pieces(
     one after another along `dim` in a destination tensor of `dest_shape`."""
     out, pos = [], 0
     for block in blocks:
+        b_lo, b_hi = block.offset, [o + n for o, n in zip(block.offset, block.shape)]
         for i, s in enumerate(sources):
-            lo = [max(a, b) for a, b in zip(block.offset, s.offset)]
-            hi = [
-                min(a + n, b + m)
-                for a, n, b, m in zip(block.offset, block.shape, s.offset, s.shape)
-            ]
-            if any(h <= low for low, h in zip(lo, hi)):
-                continue
-            shape = tuple(h - low for low, h in zip(lo, hi))
-            dst = [low - b for low, b in zip(lo, block.offset)]
-            if dim is not None:
-                dst[dim] += pos
-            runs = contiguous_runs(tuple(dest_shape), tuple(dst), shape)[1]
-            src = tuple(low - o for low, o in zip(lo, s.offset))
-            out.append(Piece(i, src, tuple(dst), shape, len(runs) <= 1))
+            for b0, b1, o, n in zip(b_lo, b_hi, s.offset, s.shape):
+                if o >= b1 or o + n <= b0:
+                    break  # most sources miss a block in their first dim: stop there
+            else:
+                out.append(_piece(i, s, b_lo, b_hi, dim, pos, dest_shape))
         if dim is not None:
             pos += block.shape[dim]
     return out
+
+
+def _piece(i: int, s: Source, b_lo, b_hi, dim: int | None, pos: int, dest_shape) -> Piece:
+    """Source `i`'s overlap with the block spanning `b_lo`..`b_hi`, placed at `pos` along
+    `dim` in the destination."""
+    lo = [max(a, b) for a, b in zip(b_lo, s.offset)]
+    shape = tuple(min(a, b + n) - low for a, b, n, low in zip(b_hi, s.offset, s.shape, lo))
+    dst = [low - b for low, b in zip(lo, b_lo)]
+    if dim is not None:
+        dst[dim] += pos
+    src = tuple(low - o for low, o in zip(lo, s.offset))
+    return Piece(i, src, tuple(dst), shape, is_one_run(dest_shape, dst, shape))
+
+
+def is_one_run(shape: Sequence[int], offset: Sequence[int], box: Sequence[int]) -> bool:
+    """Whether the box at `offset` in a row-major tensor of `shape` is one contiguous run:
+    after its leading dims of size 1, one dim may be partial, every later one must be whole."""
+    d = 0
+    while d < len(box) - 1 and box[d] == 1:
+        d += 1
+    return all(box[k] == shape[k] and offset[k] == 0 for k in range(d + 1, len(box)))

@@ -757,8 +757,9 @@ def forecast(
     elif strategy == "replicated":
         loaded = [t for _, unit in units for t in unit]
         for t in loaded:
+            spikes = staged_reads(t, None, device, init)
             for ledger in ledgers:
-                _read_full(ledger, t, init)
+                _read_full(ledger, t, init, spikes)
         for t in loaded:
             for ledger, shard in zip(ledgers, t.ranks):
                 ledger.alloc(shard.bytes)
@@ -768,7 +769,7 @@ def forecast(
         for _, unit in units:
             full = sum(_full_bytes(t, init) for t in unit)
             for t in unit:
-                _read_full(rank0, t, init)
+                _read_full(rank0, t, init, staged_reads(t, None, device, init))
             for t in unit:
                 rank0.alloc(t.ranks[0].bytes)
                 for r in range(1, w):
@@ -814,9 +815,9 @@ def staged_reads(t: TensorPlan, rank: int | None, device: str, init: str) -> lis
     return [math.prod(b.shape) for b in t.ranks[rank].blocks] if staged else []
 
 
-def _read_full(ledger: Ledger, t: TensorPlan, init: str) -> None:
+def _read_full(ledger: Ledger, t: TensorPlan, init: str, staged: list[int]) -> None:
     ledger.alloc(_full_bytes(t, init))
-    for n in staged_reads(t, None, "cpu", init):
+    for n in staged:
         ledger.spike(t.source_nbytes(n))
 
 
