@@ -13,6 +13,7 @@ import tpviz
 from tpviz.models import FIXED_PROMPT
 from tpviz.report import load_table, plan_table
 from tpviz.runtime.strategies import fill_part
+from tpviz.widgets.plan_view import issues_html
 
 from .conftest import run_cli
 
@@ -234,6 +235,7 @@ def test_a_plan_that_shards_nothing_says_so(tmp_path, model_type):
     (warning,) = [w for w in plan.warnings if w.code == "mostly_replicated"]
     assert "100%" in warning.message and "--plan" in warning.message
     assert "warning [mostly_replicated]" in plan_table(plan)
+    assert "warning [mostly_replicated]" in issues_html(plan)  # the PlanView's issue list
     assert not any(w.code == "mostly_replicated" for w in tpviz.resolve_plan(tmp_path, 1).warnings)
 
 
