@@ -175,8 +175,9 @@ class LoadContext:
                 None,
                 key,
             )
-        # a stacked source's box has an extra dim of size 1: the same bytes in the same order
-        if [d for d in info.shape if d != 1] != [d for d in box if d != 1]:
+        # a stacked source's box has extra dims of size 1: the same bytes in the same order
+        dims = (lambda shape: [d for d in shape if d != 1]) if t.sources else list
+        if dims(info.shape) != dims(box):
             raise CheckpointError(
                 f"{info.file}: tensor {key!r} has shape {list(info.shape)}, the plan expects {box}",
                 info.file,
