@@ -330,3 +330,25 @@ def test_projections_fused_by_a_registered_conversion_are_read_per_source(tmp_pa
     codes = {code for code, _, _ in out["unsupported"]}
     assert codes == {"unsupported_conversion"}
     assert "Transpose" in out["unsupported"][0][2] and "qkv_proj" in out["unsupported"][0][1]
+
+
+def test_tensors_transformers_ignores_on_load_are_not_errors(hf_checkpoints, tmp_path):
+    """Old checkpoints hold per-layer rotary `inv_freq` copies, which transformers drops as it
+    loads; a tensor no rule covers is still an error."""
+    from safetensors.torch import save_file
+
+    source = hf_checkpoints["gpt_neox"]
+    for f in source.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    extra = {
+        "gpt_neox.layers.0.attention.rotary_emb.inv_freq": torch.ones(4),
+        "gpt_neox.layers.0.attention.extra.weight": torch.ones(4),
+    }
+    save_file(extra, tmp_path / "model-extra.safetensors", metadata={"format": "pt"})
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(extra, "model-extra.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    plan = tpviz.resolve_plan(tmp_path, 2)
+    assert [(e.code, e.name) for e in plan.errors] == [
+        ("unexpected_tensor", "gpt_neox.layers.0.attention.extra.weight")
+    ]

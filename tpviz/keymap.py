@@ -93,16 +93,18 @@ class Assembly:
 
 @dataclass
 class KeyMap:
-    """Model tensor name -> its assembly, for every checkpoint key the model class maps."""
+    """Model tensor name -> its assembly, for every checkpoint key the model class maps;
+    `ignored`: checkpoint keys the model class drops on purpose when it loads."""
 
     assemblies: dict[str, Assembly] = field(default_factory=dict)
+    ignored: set[str] = field(default_factory=set)
 
 
 def match_checkpoint(entries: Sequence, ckpt: Checkpoint, keymap: KeyMap | None, errors) -> None:
     """Give each loaded tensor plan its checkpoint keys (and sources, if assembled), checked
     against the headers; `errors.add` the model tensors the checkpoint lacks or cannot give and
     the checkpoint tensors the model does not use. `keymap` None: a tensor's key is its name."""
-    used: set[str] = set()
+    used = set(keymap.ignored) if keymap else set()
     for e in entries:
         if e.origin != "checkpoint":
             continue

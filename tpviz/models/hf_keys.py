@@ -34,6 +34,7 @@ def checkpoint_map(model: nn.Module, shapes: Mapping[str, Sequence[int]]) -> Key
     state = dict.fromkeys(model.state_dict(), True)
     prefix = model.base_model_prefix
     plain: dict[str, str] = {}
+    unexpected: dict[str, list[str]] = {}  # renamed -> checkpoint keys the model lacks
     grouped: dict[str, tuple[object, dict[str, list[str]]]] = {}
     # transformers collects the tensors of a stack in this order
     for key in sorted(shapes, key=dot_natural_key):
@@ -41,13 +42,15 @@ def checkpoint_map(model: nn.Module, shapes: Mapping[str, Sequence[int]]) -> Key
         if name not in state and key in state:  # as transformers: keep a key the model has
             name, pattern = rename_source_key(key, [], [], prefix, state)
         if name not in state:
-            continue  # unexpected: reported by the plan
+            unexpected.setdefault(name, []).append(key)
+            continue
         if pattern is None:
             plain.setdefault(name, key)
         else:
             _, collected = grouped.setdefault(name, (by_pattern[pattern], {}))
             collected.setdefault(pattern, []).append(key)
     result = KeyMap({n: Assembly([k], list(shapes[k])) for n, k in plain.items()})
+    result.ignored = {k for n in _ignored(model, set(unexpected)) for k in unexpected[n]}
     for name, (converter, collected) in grouped.items():
         try:
             result.assemblies[name] = _assemble(converter, collected, shapes)
@@ -59,6 +62,24 @@ def checkpoint_map(model: nn.Module, shapes: Mapping[str, Sequence[int]]) -> Key
             )
             result.assemblies[name] = Assembly(keys, [], error=error)
     return result
+
+
+def _ignored(model: nn.Module, unexpected: set[str]) -> set[str]:
+    """The unexpected (renamed) keys transformers drops without a word when it loads: the
+    class's `_keys_to_ignore_on_load_unexpected` and its own exceptions (old per-layer rotary
+    `inv_freq`, `position_ids` that became non-persistent)."""
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    info = LoadStateDictInfo(
+        missing_keys=set(),
+        unexpected_keys=set(unexpected),
+        mismatched_keys=set(),
+        error_msgs=[],
+        conversion_errors={},
+        skipped_pp_keys=set(),
+    )
+    model._adjust_missing_and_unexpected_keys(info)
+    return unexpected - info.unexpected_keys
 
 
 def _ops(converter) -> str:
