@@ -1,0 +1,67 @@
+"""The first code a spawned rank runs: liveness from process start to exit.
+
+Only the standard library is imported here, so that the heartbeat flows while torch is still
+being imported; the rank's spec arrives pickled and is unpickled (importing torch) once the
+heartbeat runs. Every message to the launcher goes through one `Channel`: if the launcher is
+gone, the rank ends at once and quietly (there is no one left to report to).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+PARENT_POLL_SECONDS = 0.2
+ORPHANED = 3  # exit code of a rank whose launcher is gone
+
+
+class Channel:
+    """The rank's end of its pipe: sends from any thread, one message at a time."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: Any) -> None:
+        try:
+            with self._lock:
+                self.conn.send(message)
+        except OSError:  # the launcher died or closed the pipe: leave without a traceback
+            os._exit(ORPHANED)
+
+    def recv(self) -> Any:
+        return self.conn.recv()
+
+
+def _daemon(name: str, target: Callable[[], None]) -> None:
+    threading.Thread(target=target, name=name, daemon=True).start()
+
+
+def boot(rank: int, payload: bytes, conn: Connection, parent_pid: int, beat: float) -> None:
+    """Spawn target: start the parent watch and the heartbeat, then run the rank."""
+    # Ctrl-C reaches every process of the terminal's group; the launcher decides what ends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    channel = Channel(conn)
+
+    def watch_parent() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(ORPHANED)  # the launcher is gone (e.g. a restarted kernel): leave nothing
+
+    def heartbeat() -> None:  # silence means frozen: the launcher ends the job
+        while True:
+            channel.send(("beat",))
+            time.sleep(beat)
+
+    _daemon("tpviz-parent-watch", watch_parent)
+    _daemon("tpviz-heartbeat", heartbeat)
+    spec = pickle.loads(payload)
+    from .worker import run_rank  # imports torch: seconds, while the heartbeat already runs
+
+    run_rank(rank, spec, channel)
