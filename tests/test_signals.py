@@ -105,6 +105,7 @@ ABANDON = textwrap.dedent("""
         job = tpviz.launch(sys.argv[1], 2)
         if sys.argv[2] == "loaded":
             job.wait(120)
+            job.forward([[1, 2, 3]])  # tensors over pipes: multiprocessing's pymp-* dirs
         print("leaving", flush=True)  # without shutdown: the interpreter exits at once
 """)
 

@@ -455,6 +455,11 @@ def _pump(ref: weakref.ref[LoadJob], ranks: Ranks) -> None:
                 return
             _pump_once(job, ranks)
             del job
+    except Exception as e:  # a bug here must not leave callers waiting for replies forever
+        job = ref()
+        if job is not None:
+            job._fail(LoadError(f"tpviz's event pump failed: {type(e).__name__}: {e}"))
+        raise
     finally:
         ranks.close()
 

@@ -4,7 +4,7 @@ The launcher's pump thread reads the pipes and waits on the processes, so it is 
 that closes them (`close`); other threads ask it to (`request_close`) and wait for it. Closing
 a pipe from another thread while the pump is inside `recv()` breaks the pump.
 
-The temp dir (`$TMPDIR/tpviz-<pid>-*`, holding the rendezvous file and torch's caches) is locked
+The temp dir (`$TMPDIR/tpviz-<pid>-*`: the rendezvous file, and the ranks' own $TMPDIR) is locked
 with `flock` for as long as its launcher lives, so a later launcher can prove a dir stale (its
 lock is free: the owner was killed with SIGKILL) and remove it.
 """
@@ -75,7 +75,7 @@ class Ranks:
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=boot,
-                args=(rank, payload, child_end, os.getpid(), beat),
+                args=(rank, payload, child_end, os.getpid(), beat, self.workdir),
                 name=f"tpviz-rank{rank}",
                 daemon=True,
             )

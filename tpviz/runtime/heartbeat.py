@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -43,10 +44,16 @@ def _daemon(name: str, target: Callable[[], None]) -> None:
     threading.Thread(target=target, name=name, daemon=True).start()
 
 
-def boot(rank: int, payload: bytes, conn: Connection, parent_pid: int, beat: float) -> None:
+def boot(
+    rank: int, payload: bytes, conn: Connection, parent_pid: int, beat: float, workdir: str
+) -> None:
     """Spawn target: start the parent watch and the heartbeat, then run the rank."""
     # Ctrl-C reaches every process of the terminal's group; the launcher decides what ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Whatever the rank puts in $TMPDIR (multiprocessing's pymp-* dirs for sending tensors,
+    # torch's compile cache) goes in the launcher's private dir, removed with the job even
+    # when the rank is killed.
+    os.environ["TMPDIR"] = tempfile.tempdir = workdir
     channel = Channel(conn)
 
     def watch_parent() -> None:

@@ -50,10 +50,6 @@ def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
         GLOO_SOCKET_IFNAME="lo",
         NCCL_SOCKET_IFNAME="lo",
     )
-    # torch's compile cache would otherwise outlive the job in $TMPDIR/torchinductor_<user>
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(spec.rendezvous), "inductor")
-    )
     torch.set_num_threads(spec.threads)
     sink = EventSink(rank, channel.send, spec.events_dir)
     try:
