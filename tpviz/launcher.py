@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import pickle
 import threading
 import time
 import weakref
@@ -472,7 +473,7 @@ def _pump_once(job: LoadJob, ranks: Ranks) -> None:
             rank = conns.index(item)
             job._heard[rank] = time.monotonic()  # a readable pipe is a live (or ended) rank
             try:
-                message = item.recv()
+                message = pickle.loads(item.recv_bytes())  # plain pickles: runtime/heartbeat
             except (EOFError, OSError):
                 continue  # the rank ended; its sentinel says how
             job._handle(rank, message)

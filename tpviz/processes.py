@@ -86,11 +86,12 @@ class Ranks:
 
     def send_all(self, message: Any) -> bool:
         """Send to every rank; False once closed. OSError if a rank's pipe broke."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # see runtime/heartbeat
         with self._send_lock:
             if self._closed:
                 return False
             for conn in self.conns:
-                conn.send(message)
+                conn.send_bytes(data)
             return True
 
     def request_close(self, grace: float = 0.0, timeout: float = 30.0) -> None:

@@ -4,6 +4,10 @@ Only the standard library is imported here, so that the heartbeat flows while to
 being imported; the rank's spec arrives pickled and is unpickled (importing torch) once the
 heartbeat runs. Every message to the launcher goes through one `Channel`: if the launcher is
 gone, the rank ends at once and quietly (there is no one left to report to).
+
+Messages are plain pickles (`send_bytes`), never multiprocessing's own pickler: that one sends
+tensors through shared memory and a socket listener in a `pymp-*` temp dir, which outlives a
+killed rank and fails where $TMPDIR is long.
 """
 
 from __future__ import annotations
@@ -30,14 +34,15 @@ class Channel:
         self._lock = threading.Lock()
 
     def send(self, message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             with self._lock:
-                self.conn.send(message)
+                self.conn.send_bytes(data)
         except OSError:  # the launcher died or closed the pipe: leave without a traceback
             os._exit(ORPHANED)
 
     def recv(self) -> Any:
-        return self.conn.recv()
+        return pickle.loads(self.conn.recv_bytes())
 
 
 def _daemon(name: str, target: Callable[[], None]) -> None:
