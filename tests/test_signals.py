@@ -69,6 +69,7 @@ def assert_empty_soon(directory) -> None:
         (signal.SIGHUP, "rank 0: starting"),
         (signal.SIGINT, "rank 1: skeleton"),
     ],
+    ids=["SIGTERM", "SIGHUP", "SIGINT"],
 )
 def test_stop_signals_cancel_cleanly_and_leave_nothing(tmp_path, tiny, signum, when):
     tmpdir = tmp_path / "tmp"
