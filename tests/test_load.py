@@ -187,7 +187,7 @@ def test_a_thousand_modules_do_not_flood_the_caller(checkpoints, monkeypatch):
     handle = LoadJob._handle
 
     def counting(job, rank, message):
-        received[id(job)] += 1
+        received[id(job)] += message[0] != "beat"  # heartbeats are not event traffic
         return handle(job, rank, message)
 
     monkeypatch.setattr(LoadJob, "_handle", counting)

@@ -1,14 +1,19 @@
 """`tpviz ...`: make checkpoints, show plans, load, compare strategies, and the demo.
 
-Exit codes: 0 ok, 2 invalid input (one line on stderr), 1 other failure. With `--json` the
-result goes to stdout as JSON, also on failure (then with `errors`).
+Exit codes: 0 ok, 2 invalid input (one line on stderr), 1 other failure, 128 + N when ended
+by signal N (SIGINT, SIGTERM, SIGHUP: the job is cancelled and cleaned up first). With `--json`
+the result goes to stdout as JSON, also on failure (then with `errors`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 INVALID_INPUT = 2
@@ -18,6 +23,39 @@ FAILURE = 1
 SOURCE_HELP = "checkpoint dir (Hugging Face layout), or a dir holding only config.json"
 STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
 JSON_HELP = "print the result as JSON on stdout (also on failure, then with errors)"
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal asked the CLI to stop: raised in the main thread so that `with` blocks close
+    the job (ranks ended, temp dir removed) on the way out."""
+
+    def __init__(self, signum: int):
+        self.signum = signal.Signals(signum)
+        super().__init__(self.signum.name)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _on_stop_signal(signum: int, frame: object) -> None:
+    for s in STOP_SIGNALS:  # a second signal must not break the cleanup the first started
+        signal.signal(s, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _stop_signals_interrupt() -> Iterator[None]:
+    """Turn SIGINT, SIGTERM and SIGHUP into `Interrupted` while a command runs (main thread
+    only: elsewhere Python cannot install handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _on_stop_signal) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _shared(p: argparse.ArgumentParser) -> None:
@@ -60,6 +98,13 @@ def _load_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--events", metavar="DIR", help="write each rank's events as rank{r}.jsonl")
     p.add_argument("--report", metavar="FILE.html", help="write a self-contained HTML report")
     p.add_argument("--timeout", type=float, help="fail if loading takes longer (seconds)")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="fail if a rank stays silent (frozen) this long (default 30)",
+    )
     p.add_argument(
         "--force", action="store_true", help="load even if the memory forecast says it will not fit"
     )
@@ -135,9 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
-    except KeyboardInterrupt:
-        return FAILURE
+        with _stop_signals_interrupt():
+            return COMMANDS[args.command](args)
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"tpviz {args.command}: interrupted ({signum.name}); stopped", file=sys.stderr)
+        return 128 + signum
     except Exception as e:  # noqa: BLE001 - the CLI's one place that turns errors into exit codes
         code = INVALID_INPUT if _is_invalid_input(e) else FAILURE
         if getattr(args, "json", False):
@@ -232,6 +280,7 @@ def _launch_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         verify=args.verify,
         timeout=args.timeout,
+        heartbeat_timeout=args.heartbeat_timeout,
         events_dir=args.events,
         profile_dir=args.profile,
         profile_forward=args.profile_forward,

@@ -1,40 +1,42 @@
 """LoadJob: spawn the ranks, pump their events, run commands, cancel, and clean up.
 
 `launch()` returns at once; ranks start under the `spawn` start method with a file rendezvous
-in a private temp dir and loopback-only sockets. A pump thread multiplexes the ranks' pipes and
-process sentinels, so a rank that fails or dies ends the whole job within a fraction of a
-second, and ranks notice a dead launcher on their own (see runtime/worker.py).
+in a private temp dir and loopback-only sockets (see processes.py). A pump thread multiplexes
+the ranks' pipes and process sentinels, so a rank that fails or dies ends the whole job within
+a fraction of a second; a rank whose heartbeat falls silent (frozen, stopped, deadlocked) ends
+it after `heartbeat_timeout`; ranks notice a dead launcher on their own (runtime/heartbeat.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import multiprocessing
 import os
-import shutil
-import tempfile
+import pickle
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any
 
 import psutil
 import torch
-import torch.multiprocessing as mp
 
 from .capacity import free_task_slots, host_shortfall
 from .events import Done, Error, Event, Phase, UnitDone, UnitStart
 from .models import get_adapter, prompt_ids, read_config
 from .outputs import check_output_dir, collect_output_errors
 from .plan import ResolvedPlan, forecast, resolve_plan
+from .processes import Ranks
 from .runtime.loader import LoadOptions
-from .runtime.worker import WorkerSpec, run_rank
+from .runtime.worker import WorkerSpec
 from .token_ids import check_token_ids
 
 LAUNCHER = -1  # the `rank` of events the launcher itself makes
-TERMINATE_GRACE_SECONDS = 3.0
+HEARTBEAT_TIMEOUT = 30.0  # seconds of silence after which a rank counts as frozen
 
 
 class LoadError(RuntimeError):
@@ -69,26 +71,6 @@ class RankProgress:
     phase_times: dict[str, float] = field(default_factory=dict)
 
 
-def _close_all(procs: list, conns: list[Connection], tmp: str) -> None:
-    """End every rank (TERM, then KILL) and release pipes and the temp dir. Idempotent."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
-    for p in procs:
-        p.close()
-    procs.clear()
-    for c in conns:
-        c.close()
-    conns.clear()
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
 class LoadJob:
     """A running (or finished) load. Use it as a context manager, or call `shutdown()`."""
 
@@ -100,6 +82,7 @@ class LoadJob:
         timeout: float | None = None,
         verify: bool = False,
         events_dir: str | os.PathLike | None = None,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
     ):
         self.plan = plan
         self.options = options
@@ -126,35 +109,27 @@ class LoadJob:
         self._started = time.time()
         self._timeout = timeout
         self._deadline = time.monotonic() + timeout if timeout else None
-        self._tmp = tempfile.mkdtemp(prefix="tpviz-")  # private (0700): the rendezvous lives here
-        ctx = mp.get_context("spawn")
-        world = plan.world_size
+        self.heartbeat_timeout = heartbeat_timeout
+        self._heard = [time.monotonic()] * plan.world_size  # when each rank was last heard
+        self._running: str | None = None  # the command the ranks are running, if any
+        self._ranks = ranks = Ranks()
+        self._procs = ranks.procs
+        # at collection or interpreter exit: end the ranks, remove the temp dir
+        self._finalizer = weakref.finalize(self, ranks.request_close)
         spec = WorkerSpec(
             plan=plan,
             options=options,
             device=device,
-            rendezvous=os.path.join(self._tmp, "rendezvous"),
-            parent_pid=os.getpid(),
-            threads=max(1, (os.cpu_count() or 1) // world),
+            rendezvous=os.path.join(ranks.workdir, "rendezvous"),
+            threads=max(1, (os.cpu_count() or 1) // plan.world_size),
             timeout=timeout or 1800.0,
             events_dir=str(events_dir) if events_dir else None,
         )
-        self._procs: list = []
-        self._conns: list[Connection] = []
-        self._finalizer = weakref.finalize(self, _close_all, self._procs, self._conns, self._tmp)
-        for rank in range(world):
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(
-                target=run_rank, args=(rank, spec, child_end), name=f"tpviz-rank{rank}", daemon=True
-            )
-            proc.start()
-            child_end.close()
-            self._procs.append(proc)
-            self._conns.append(parent_end)
-        self._pump = threading.Thread(
-            target=_pump, args=(weakref.ref(self),), name="tpviz-pump", daemon=True
+        ranks.start(plan.world_size, spec, beat=min(1.0, heartbeat_timeout / 4))
+        ranks.pump = threading.Thread(
+            target=_pump, args=(weakref.ref(self), ranks), name="tpviz-pump", daemon=True
         )
-        self._pump.start()
+        ranks.pump.start()
 
     # --- events -----------------------------------------------------------------------------
 
@@ -200,6 +175,8 @@ class LoadJob:
 
     def _handle(self, rank: int, message: tuple) -> None:
         kind = message[0]
+        if kind == "beat":  # `_heard` is all a heartbeat updates
+            return
         if kind == "events":
             batch = message[1]
             for event in batch:
@@ -324,6 +301,30 @@ class LoadJob:
             self._fail(
                 LoadError(f"the load did not finish within its timeout ({self._timeout:g} s)")
             )
+            return
+        self._check_heartbeats()
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        for rank, heard in enumerate(self._heard):
+            silence = now - heard
+            if silence > self.heartbeat_timeout:
+                progress = self.progress[rank]
+                if self._running:
+                    doing = f"while running {self._running}"
+                elif progress.phase == "loaded":
+                    doing = "while waiting for commands"
+                else:
+                    doing = f"during {progress.phase}"
+                    if progress.phase == "loading" and progress.module:
+                        doing += f" of {progress.module}"
+                message = (
+                    f"rank {rank} stopped responding (no heartbeat for {silence:.0f} s) {doing}; "
+                    "it was ended with the job"
+                )
+                self._deliver([Error(rank, time.time(), message=message, module=progress.module)])
+                self._fail(LoadError(message, rank, progress.module))
+                return
 
     # --- waiting and results ----------------------------------------------------------------
 
@@ -346,27 +347,31 @@ class LoadJob:
 
     # --- commands on the loaded model -------------------------------------------------------
 
-    def _command(self, command: str, *args: Any, timeout: float = 300.0) -> list[Any]:
+    def _command(self, command: str, *args: Any) -> list[Any]:
         if self.state != "loaded" and not (self.state == "verifying" and command == "forward"):
             raise LoadError(f"the job is {self.state}; commands need a loaded model")
         command_id = next(self._ids)
-        for conn in list(self._conns):
-            conn.send((command, command_id, args))
         world = self.plan.world_size
-        with self._cond:
-            done = self._cond.wait_for(
-                lambda: (
-                    len(self._replies.get(command_id, {})) == world
-                    or self.state in ("failed", "cancelled", "closed")
-                ),
-                timeout,
-            )
-            replies = self._replies.pop(command_id, {})
+        self._running = command
+        try:
+            # a dead rank breaks its pipe; the pump reports it and fails the job
+            with contextlib.suppress(OSError):
+                self._ranks.send_all((command, command_id, args))
+            # no wall-clock limit: user code may take long; a silent rank fails the job
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: (
+                        len(self._replies.get(command_id, {})) == world
+                        or self.state in ("failed", "cancelled", "closing", "closed")
+                    )
+                )
+                replies = self._replies.pop(command_id, {})
+        finally:
+            self._running = None
         if self.error is not None:
             raise self.error
-        if not done:
-            self._fail(LoadError(f"{command} did not finish within {timeout} s"))
-            raise self.error
+        if len(replies) < world:
+            raise LoadError(f"the job is {self.state}; {command} was not finished")
         errors = [payload for ok, payload in replies.values() if not ok]
         if errors:
             raise LoadError(errors[0])
@@ -439,17 +444,10 @@ class LoadJob:
             alive = self.state in ("loaded", "verifying")
             self.state = "closing" if alive else self.state
         if alive:
-            for conn in list(self._conns):
-                try:
-                    conn.send(("shutdown", -1, ()))
-                except OSError:
-                    pass
-            deadline = time.monotonic() + timeout
-            for proc in list(self._procs):
-                proc.join(max(0.0, deadline - time.monotonic()))
-        self._finalizer()
-        if self._pump is not threading.current_thread():
-            self._pump.join(timeout)
+            with contextlib.suppress(OSError):
+                self._ranks.send_all(("shutdown", -1, ()))
+        self._ranks.request_close(grace=timeout if alive else 0.0)
+        self._finalizer.detach()
         self._set_state("closed")
 
     def __enter__(self) -> LoadJob:
@@ -462,27 +460,39 @@ class LoadJob:
         return f"<LoadJob {self.options.strategy} world_size={self.plan.world_size} {self.state}>"
 
 
-def _pump(ref: weakref.ref[LoadJob]) -> None:
-    """Multiplex the ranks' pipes and sentinels; holds the job only weakly so that an
-    abandoned job is collected (and its ranks ended)."""
-    while True:
+def _pump(ref: weakref.ref[LoadJob], ranks: Ranks) -> None:
+    """Multiplex the ranks' pipes and sentinels until asked to stop, then close them all (the
+    pump is their one owner). Holds the job only weakly so that an abandoned job is collected
+    (and its ranks ended)."""
+    try:
+        while not ranks.stop.is_set():
+            job = ref()
+            if job is None:
+                return
+            _pump_once(job, ranks)
+            del job
+    except Exception as e:  # a bug here must not leave callers waiting for replies forever
         job = ref()
-        if job is None or job.state == "closed" or not job._conns:
-            return
-        try:
-            conns = list(job._conns)
-            ready = wait(conns + [p.sentinel for p in list(job._procs)], timeout=0.1)
-        except (OSError, ValueError):  # closed under us by cancel or shutdown
-            ready = []
-        for item in ready:
-            if item in conns:
-                try:
-                    message = item.recv()
-                except (EOFError, OSError):
-                    continue  # the rank ended; its sentinel says how
-                job._handle(conns.index(item), message)
-        job._check_ranks()
-        del job
+        if job is not None:
+            job._fail(LoadError(f"tpviz's event pump failed: {type(e).__name__}: {e}"))
+        raise
+    finally:
+        ranks.close()
+
+
+def _pump_once(job: LoadJob, ranks: Ranks) -> None:
+    conns = ranks.conns
+    ready = wait(conns + [p.sentinel for p in ranks.procs], timeout=0.1)
+    for item in ready:
+        if item in conns:
+            rank = conns.index(item)
+            job._heard[rank] = time.monotonic()  # a readable pipe is a live (or ended) rank
+            try:
+                message = pickle.loads(item.recv_bytes())  # plain pickles: runtime/heartbeat
+            except (EOFError, OSError):
+                continue  # the rank ended; its sentinel says how
+            job._handle(rank, message)
+    job._check_ranks()
 
 
 def check_memory(plan: ResolvedPlan, strategy: str, device: str, init: str) -> None:
@@ -507,11 +517,21 @@ def check_memory(plan: ResolvedPlan, strategy: str, device: str, init: str) -> N
             )
 
 
+def _check_seconds(name: str, value: float | None) -> None:
+    """A duration argument: None, or a positive finite number (not a bool; NaN fails too)."""
+    if value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < float("inf")
+    ):
+        raise ValueError(f"{name} must be a positive, finite number of seconds, not {value!r}")
+
+
 def _end_rank_running_an_unguarded_script() -> None:
     """A script without the `__main__` guard runs again in each spawned rank while it starts,
     and calls launch there: multiprocessing would refuse with a long traceback from every rank.
     End that rank quietly instead; the parent's job says what to do (guard the call)."""
-    if getattr(mp.current_process(), "_inheriting", False):
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise SystemExit(1)
 
 
@@ -527,6 +547,7 @@ def launch(
     init: str = "checkpoint",
     seed: int = 0,
     timeout: float | None = None,
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
     verify: bool = False,
     events_dir: str | os.PathLike | None = None,
     profile_dir: str | os.PathLike | None = None,
@@ -540,14 +561,13 @@ def launch(
     `init="random"` initialises from `seed` instead of loading (a config-only source needs it).
     `profile_dir` writes torch.profiler traces (one TensorBoard worker per rank);
     `profile_forward` also profiles one forward of the fixed prompt after loading.
+    `timeout` bounds the load in wall time; `heartbeat_timeout` (seconds) is how long a rank
+    may stay silent (frozen, stopped, deadlocked) before the job fails, at any time from start
+    to shutdown: long-running `forward` or `call` commands are bounded only by it.
     """
     _end_rank_running_an_unguarded_script()
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not 0 < timeout < float("inf")  # NaN fails this too
-    ):
-        raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout!r}")
+    _check_seconds("timeout", timeout)
+    _check_seconds("heartbeat_timeout", heartbeat_timeout)
     resolved = resolve_plan(source, world_size, plan, dtype=dtype, model=model)
     resolved.raise_for_errors()
     if resolved.source is None:
@@ -573,7 +593,13 @@ def launch(
     if not force:
         check_memory(resolved, strategy, device, options.init)
     return LoadJob(
-        resolved, options, device=device, timeout=timeout, verify=verify, events_dir=events_dir
+        resolved,
+        options,
+        device=device,
+        timeout=timeout,
+        verify=verify,
+        events_dir=events_dir,
+        heartbeat_timeout=heartbeat_timeout,
     )
 
 

@@ -1,21 +1,20 @@
 """The entry point of a rank spawned by `tpviz.launch`, and its command loop after loading.
 
 It lives in tpviz (never in `__main__`) so that spawning works from a Jupyter kernel. Each rank
-talks to the launcher over one duplex pipe: events and replies go up, commands come down. A
-watchdog thread ends the rank within a fraction of a second if the launcher process dies.
+talks to the launcher over one duplex pipe: events, replies and heartbeats go up, commands come
+down. The process starts in runtime/heartbeat.py, which also ends the rank within a fraction of
+a second if the launcher process dies.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -23,11 +22,10 @@ import torch.distributed as dist
 
 from ..events import Error, Phase
 from ..plan import ResolvedPlan
+from .heartbeat import Channel
 from .loader import LoadOptions, ShardedModel, load_in_group, rank_device
 from .sink import EventSink
 from .strategies import LoadFailure
-
-PARENT_POLL_SECONDS = 0.2
 
 
 @dataclass
@@ -36,23 +34,12 @@ class WorkerSpec:
     options: LoadOptions
     device: str
     rendezvous: str  # file rendezvous path in the launcher's private temp dir
-    parent_pid: int
     threads: int
     timeout: float  # process-group timeout, seconds
     events_dir: str | None = None
 
 
-def _watch_parent(parent_pid: int) -> None:
-    def watch() -> None:
-        while True:
-            time.sleep(PARENT_POLL_SECONDS)
-            if os.getppid() != parent_pid:
-                os._exit(3)  # the launcher is gone (e.g. a restarted kernel): leave nothing
-
-    threading.Thread(target=watch, name="tpviz-parent-watch", daemon=True).start()
-
-
-def run_rank(rank: int, spec: WorkerSpec, conn: Connection) -> None:
+def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
     world = spec.plan.world_size
     os.environ.update(
         RANK=str(rank),
@@ -61,15 +48,8 @@ def run_rank(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         GLOO_SOCKET_IFNAME="lo",
         NCCL_SOCKET_IFNAME="lo",
     )
-    _watch_parent(spec.parent_pid)
     torch.set_num_threads(spec.threads)
-    lock = threading.Lock()
-
-    def send(message: Any) -> None:
-        with lock:
-            conn.send(message)
-
-    sink = EventSink(rank, send, spec.events_dir)
+    sink = EventSink(rank, channel.send, spec.events_dir)
     try:
         sink.emit(Phase(rank, time.time(), name="starting"))
         device = rank_device(spec.device)
@@ -82,7 +62,7 @@ def run_rank(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         )
         loaded = load_in_group(spec.plan, spec.options, sink, device)
         sink.flush()
-        _serve(loaded, conn, send)
+        _serve(loaded, channel)
     except BaseException as e:  # report, then leave at once: peers may be stuck in collectives
         module = e.module if isinstance(e, LoadFailure) else None
         file = e.file if isinstance(e, LoadFailure) else getattr(e, "file", None)
@@ -101,14 +81,18 @@ def run_rank(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         finally:
             os._exit(1)
     sink.close()
-    dist.barrier()  # no rank tears its group down while a peer still uses it
-    dist.destroy_process_group()
+    try:
+        dist.barrier()  # no rank tears its group down while a peer still uses it
+        dist.destroy_process_group()
+    except Exception:  # a peer ended first (the launcher was closing anyway): leave quietly
+        os._exit(1)
 
 
-def _serve(loaded: ShardedModel, conn: Connection, send: Callable[[Any], None]) -> None:
+def _serve(loaded: ShardedModel, channel: Channel) -> None:
+    send = channel.send
     while True:
         try:
-            command, command_id, args = conn.recv()
+            command, command_id, args = channel.recv()
         except (EOFError, OSError):
             return
         if command == "shutdown":

@@ -1,0 +1,122 @@
+"""Frozen ranks end the job; closing a job never races its pump."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+import tpviz
+from tpviz.events import Memory, UnitStart
+from tpviz.plan import resolve_plan
+
+from .test_failures import children
+
+BOUND = 60  # seconds: a generous liveness bound; the heartbeat timeout below is 3 s
+HEARTBEAT = 3.0
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a stopped process
+
+
+@pytest.fixture(scope="module")
+def small(checkpoints):
+    from tpviz.models.demo import make_checkpoint
+
+    return make_checkpoint(checkpoints / "small-liveness", "small")
+
+
+def sleep_on_rank(model, seconds: float) -> float:
+    """`call` target: user code that takes longer than the heartbeat timeout, but is alive."""
+    time.sleep(seconds)
+    return seconds
+
+
+@pytest.mark.slow
+def test_rank_stopped_mid_load_fails_the_job_naming_it(small):
+    stopped = threading.Event()
+    pids: list[int] = []
+
+    def stop_rank1(event):
+        if isinstance(event, UnitStart) and event.rank == 1 and not stopped.is_set():
+            pids.append(job._procs[1].pid)
+            os.kill(pids[0], signal.SIGSTOP)
+            stopped.set()
+
+    try:
+        with tpviz.launch(small, 2, heartbeat_timeout=HEARTBEAT) as job:
+            job.subscribe(stop_rank1)
+            assert stopped.wait(BOUND)
+            start = time.monotonic()
+            with pytest.raises(tpviz.LoadError) as err:
+                job.wait(BOUND)
+            assert time.monotonic() - start < BOUND
+        message = str(err.value)
+        assert message.startswith("rank 1 stopped responding (no heartbeat for "), message
+        assert "during " in message and err.value.rank == 1
+        assert children() == []
+    finally:
+        for pid in pids:
+            _kill(pid)
+
+
+@pytest.mark.slow
+def test_loaded_job_outlives_slow_calls_but_not_a_stopped_rank(tiny):
+    with tpviz.launch(tiny, 2, heartbeat_timeout=HEARTBEAT) as job:
+        job.wait(120)
+        time.sleep(2 * HEARTBEAT)  # idle loaded ranks are alive: they keep sending heartbeats
+        # user code may run longer than the heartbeat timeout: only silence fails the job
+        assert job.call(sleep_on_rank, 2 * HEARTBEAT) == [2 * HEARTBEAT] * 2
+        pid = job._procs[1].pid
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            start = time.monotonic()
+            with pytest.raises(tpviz.LoadError) as err:
+                job.forward([[1, 2, 3]])
+            assert time.monotonic() - start < BOUND
+        finally:
+            _kill(pid)
+    assert str(err.value).startswith("rank 1 stopped responding"), str(err.value)
+    assert "while running forward" in str(err.value) and err.value.rank == 1
+    assert children() == []
+
+
+@pytest.mark.slow
+def test_closing_jobs_while_events_flow_never_breaks_the_pump(tiny):
+    """Jobs closed at many moments: while ranks start, end, and stream events (a high
+    memory rate), by `shutdown` and by `cancel`; no thread may raise, nothing may remain.
+    Four ranks and a tiny GIL switch interval make thread interleavings frequent: the old
+    races (pipes and processes closed by one thread while the pump used them) showed in
+    about one close in fifteen here."""
+    plan = resolve_plan(tiny, 4)
+    failures: list[str] = []
+    previous = threading.excepthook, sys.getswitchinterval()
+    threading.excepthook = lambda a: failures.append(f"{a.thread.name}: {a.exc_value!r}")
+    sys.setswitchinterval(1e-6)
+    try:
+        for i in range(80):
+            job = tpviz.launch(tiny, 4, plan, memory_hz=1000.0)
+            if i % 20 == 19:  # now and then, wait until events flow
+                flowing = threading.Event()
+                job.subscribe(lambda e, f=flowing: isinstance(e, Memory) and f.set())
+                assert flowing.wait(BOUND)
+            else:
+                time.sleep(i % 7 * 0.05)
+            try:
+                if i % 5 == 0:
+                    job.cancel()
+                job.shutdown()
+            except Exception as e:  # noqa: BLE001 - collect, to report every failure
+                failures.append(f"close: {e!r}")
+    finally:
+        threading.excepthook, interval = previous
+        sys.setswitchinterval(interval)
+    assert failures == []
+    assert children() == []

@@ -1,0 +1,151 @@
+"""Signals to the CLI and abandoned jobs: a clean stop, no traceback, nothing left in $TMPDIR."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from tpviz.processes import LOCK, Ranks, remove_stale_workdirs
+
+from .conftest import REPO
+
+BOUND = 60  # seconds: a generous liveness bound
+
+
+class Cli:
+    """`python -m tpviz load` with its own $TMPDIR; stderr collected by a reader thread."""
+
+    def __init__(self, tmpdir, source, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tpviz", "load", str(source), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "TMPDIR": str(tmpdir)},
+            cwd=REPO,
+        )
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:  # ends when the CLI and every rank closed stderr
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+
+    def wait_for(self, text: str) -> None:
+        with self.changed:
+            found = self.changed.wait_for(lambda: any(text in s for s in self.lines), BOUND)
+        assert found, f"no {text!r} on stderr: {''.join(self.lines)}"
+
+    def stderr(self) -> str:
+        self.reader.join(BOUND)
+        assert not self.reader.is_alive(), "a rank still holds stderr open"
+        return "".join(self.lines)
+
+
+def assert_empty_soon(directory) -> None:
+    """Ranks end asynchronously: poll, with a bound."""
+    deadline = time.monotonic() + BOUND
+    while os.listdir(directory) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert os.listdir(directory) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "signum, when",
+    [
+        (signal.SIGTERM, "rank 1: skeleton"),
+        (signal.SIGHUP, "rank 0: starting"),
+        (signal.SIGINT, "rank 1: skeleton"),
+    ],
+    ids=["SIGTERM", "SIGHUP", "SIGINT"],
+)
+def test_stop_signals_cancel_cleanly_and_leave_nothing(tmp_path, tiny, signum, when):
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    cli = Cli(tmpdir, tiny, "--events", str(tmp_path / "events"))
+    cli.wait_for(when)
+    cli.proc.send_signal(signum)
+    assert cli.proc.wait(BOUND) == 128 + signum
+    err = cli.stderr()
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    assert f"interrupted ({signal.Signals(signum).name})" in err
+    assert_empty_soon(tmpdir)
+
+
+@pytest.mark.slow
+def test_ranks_of_a_killed_cli_exit_quietly_and_the_next_start_removes_its_dir(tmp_path, tiny):
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    cli = Cli(tmpdir, tiny)
+    cli.wait_for("rank 1: skeleton")
+    cli.proc.kill()
+    cli.proc.wait(BOUND)
+    err = cli.stderr()  # every rank has exited (each held stderr)
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    assert [n for n in os.listdir(tmpdir) if not n.startswith("tpviz-")] == []
+    again = Cli(tmpdir, tiny)
+    assert again.proc.wait(300) == 0, again.stderr()
+    assert_empty_soon(tmpdir)
+
+
+ABANDON = textwrap.dedent("""
+    import sys, tpviz
+    if __name__ == "__main__":
+        job = tpviz.launch(sys.argv[1], 2)
+        if sys.argv[2] == "loaded":
+            job.wait(120)
+            job.forward([[1, 2, 3]])  # tensors over pipes: multiprocessing's pymp-* dirs
+        print("leaving", flush=True)  # without shutdown: the interpreter exits at once
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["starting", "loaded"])
+def test_a_job_abandoned_at_interpreter_exit_leaves_nothing(tmp_path, tiny, when):
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    script = tmp_path / "abandon.py"
+    script.write_text(ABANDON)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tiny), when],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TMPDIR": str(tmpdir)},
+        cwd=REPO,
+    )
+    assert done.returncode == 0 and "leaving" in done.stdout, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert_empty_soon(tmpdir)
+
+
+def test_only_provably_stale_temp_dirs_are_removed(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # re-read $TMPDIR
+    stale = tmp_path / "tpviz-999999-stale"  # its owner died: the lock is free
+    stale.mkdir()
+    (stale / LOCK).touch()
+    (stale / "rendezvous").touch()
+    unlocked = tmp_path / "tpviz-foreign"  # no lock file: nothing proves it stale
+    unlocked.mkdir()
+    live = Ranks()  # holds its lock for as long as it lives
+    try:
+        remove_stale_workdirs()
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            [unlocked.name, os.path.basename(live.workdir)]
+        )
+    finally:
+        live.close()
+    assert os.listdir(tmp_path) == [unlocked.name]

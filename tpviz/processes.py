@@ -1,0 +1,132 @@
+"""The ranks' processes, pipes and private temp dir, with one owner for closing them.
+
+The launcher's pump thread reads the pipes and waits on the processes, so it is also the one
+that closes them (`close`); other threads ask it to (`request_close`) and wait for it. Closing
+a pipe from another thread while the pump is inside `recv()` breaks the pump.
+
+The temp dir (`$TMPDIR/tpviz-<pid>-*`: the rendezvous file, and the ranks' own $TMPDIR) is locked
+with `flock` for as long as its launcher lives, so a later launcher can prove a dir stale (its
+lock is free: the owner was killed with SIGKILL) and remove it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .runtime.heartbeat import boot
+
+TERMINATE_GRACE_SECONDS = 3.0
+PREFIX = "tpviz-"
+LOCK = "owner.lock"
+
+
+def remove_stale_workdirs() -> None:
+    """Remove tpviz temp dirs whose owner is gone: only those whose lock can be taken."""
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            fd = os.open(os.path.join(path, LOCK), os.O_RDONLY)
+        except OSError:  # not ours, or not (yet) locked: not provably stale
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass  # its launcher is alive
+        finally:
+            os.close(fd)
+
+
+class Ranks:
+    """Processes, pipes and the temp dir of one job; `close` is idempotent."""
+
+    def __init__(self) -> None:
+        remove_stale_workdirs()
+        self.workdir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")  # private (0700)
+        self._lock_fd = os.open(os.path.join(self.workdir, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        self.procs: list = []
+        self.conns: list[Connection] = []
+        self.stop = threading.Event()
+        self.pump: threading.Thread | None = None
+        self.grace = 0.0  # seconds the ranks get to exit by themselves once asked to stop
+        self._send_lock = threading.Lock()
+        self._closed = False
+
+    def start(self, world: int, spec: Any, beat: float) -> None:
+        """Spawn `world` ranks running `spec` (a WorkerSpec), each with its own pipe."""
+        ctx = mp.get_context("spawn")
+        payload = pickle.dumps(spec)
+        for rank in range(world):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=boot,
+                args=(rank, payload, child_end, os.getpid(), beat, self.workdir),
+                name=f"tpviz-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_end.close()
+            self.procs.append(proc)
+            self.conns.append(parent_end)
+
+    def send_all(self, message: Any) -> bool:
+        """Send to every rank; False once closed. OSError if a rank's pipe broke."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # see runtime/heartbeat
+        with self._send_lock:
+            if self._closed:
+                return False
+            for conn in self.conns:
+                conn.send_bytes(data)
+            return True
+
+    def request_close(self, grace: float = 0.0, timeout: float = 30.0) -> None:
+        """Ask the pump to end everything, and wait for it (unless called from the pump)."""
+        self.grace = grace
+        self.stop.set()
+        pump = self.pump
+        if pump is None or not pump.is_alive():
+            self.close()
+        elif pump is not threading.current_thread():
+            pump.join(grace + TERMINATE_GRACE_SECONDS + timeout)
+
+    def close(self) -> None:
+        """End every rank (a grace, then TERM, then KILL), then release pipes and temp dir."""
+        deadline = time.monotonic() + self.grace
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()  # also ends a stopped (SIGSTOP) rank, which TERM cannot
+                p.join()
+        for p in self.procs:
+            p.close()
+        self.procs.clear()
+        with self._send_lock:
+            self._closed = True
+            for c in self.conns:
+                c.close()
+            self.conns.clear()
+        if self._lock_fd is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -1,0 +1,79 @@
+"""The first code a spawned rank runs: liveness from process start to exit.
+
+Only the standard library is imported here, so that the heartbeat flows while torch is still
+being imported; the rank's spec arrives pickled and is unpickled (importing torch) once the
+heartbeat runs. Every message to the launcher goes through one `Channel`: if the launcher is
+gone, the rank ends at once and quietly (there is no one left to report to).
+
+Messages are plain pickles (`send_bytes`), never multiprocessing's own pickler: that one sends
+tensors through shared memory and a socket listener in a `pymp-*` temp dir, which outlives a
+killed rank and fails where $TMPDIR is long.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+PARENT_POLL_SECONDS = 0.2
+ORPHANED = 3  # exit code of a rank whose launcher is gone
+
+
+class Channel:
+    """The rank's end of its pipe: sends from any thread, one message at a time."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            with self._lock:
+                self.conn.send_bytes(data)
+        except OSError:  # the launcher died or closed the pipe: leave without a traceback
+            os._exit(ORPHANED)
+
+    def recv(self) -> Any:
+        return pickle.loads(self.conn.recv_bytes())
+
+
+def _daemon(name: str, target: Callable[[], None]) -> None:
+    threading.Thread(target=target, name=name, daemon=True).start()
+
+
+def boot(
+    rank: int, payload: bytes, conn: Connection, parent_pid: int, beat: float, workdir: str
+) -> None:
+    """Spawn target: start the parent watch and the heartbeat, then run the rank."""
+    # Ctrl-C reaches every process of the terminal's group; the launcher decides what ends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Whatever the rank puts in $TMPDIR (multiprocessing's pymp-* dirs for sending tensors,
+    # torch's compile cache) goes in the launcher's private dir, removed with the job even
+    # when the rank is killed.
+    os.environ["TMPDIR"] = tempfile.tempdir = workdir
+    channel = Channel(conn)
+
+    def watch_parent() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(ORPHANED)  # the launcher is gone (e.g. a restarted kernel): leave nothing
+
+    def heartbeat() -> None:  # silence means frozen: the launcher ends the job
+        while True:
+            channel.send(("beat",))
+            time.sleep(beat)
+
+    _daemon("tpviz-parent-watch", watch_parent)
+    _daemon("tpviz-heartbeat", heartbeat)
+    spec = pickle.loads(payload)
+    from .worker import run_rank  # imports torch: seconds, while the heartbeat already runs
+
+    run_rank(rank, spec, channel)
