@@ -4,10 +4,6 @@ Only the standard library is imported here, so that the heartbeat flows while to
 being imported; the rank's spec arrives pickled and is unpickled (importing torch) once the
 heartbeat runs. Every message to the launcher goes through one `Channel`: if the launcher is
 gone, the rank ends at once and quietly (there is no one left to report to).
-
-Messages are plain pickles (`send_bytes`), never multiprocessing's own pickler: that one sends
-tensors through shared memory and a socket listener in a `pymp-*` temp dir, which outlives a
-killed rank and fails where $TMPDIR is long.
 """
 
 from __future__ import annotations
@@ -20,29 +16,10 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+
+from .channel import ORPHANED, Channel
 
 PARENT_POLL_SECONDS = 0.2
-ORPHANED = 3  # exit code of a rank whose launcher is gone
-
-
-class Channel:
-    """The rank's end of its pipe: sends from any thread, one message at a time."""
-
-    def __init__(self, conn: Connection):
-        self.conn = conn
-        self._lock = threading.Lock()
-
-    def send(self, message: Any) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            with self._lock:
-                self.conn.send_bytes(data)
-        except OSError:  # the launcher died or closed the pipe: leave without a traceback
-            os._exit(ORPHANED)
-
-    def recv(self) -> Any:
-        return pickle.loads(self.conn.recv_bytes())
 
 
 def _daemon(name: str, target: Callable[[], None]) -> None:

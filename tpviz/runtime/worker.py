@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..events import Error, Phase
 from ..plan import ResolvedPlan
-from .heartbeat import Channel
+from .channel import Channel
 from .loader import LoadOptions, ShardedModel, load_in_group, rank_device
 from .sink import EventSink
 from .strategies import LoadFailure
