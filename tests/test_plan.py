@@ -172,7 +172,10 @@ def test_known_but_unexecutable_style_is_reported_with_its_modules():
 
 def test_pattern_that_matches_nothing_is_a_warning():
     plan = toy_plan({"layers.*.mlp.w1": "colwise"})
-    assert [(w.code, w.name) for w in plan.warnings] == [("unmatched_pattern", "layers.*.mlp.w1")]
+    assert [(w.code, w.name) for w in plan.warnings] == [
+        ("unmatched_pattern", "layers.*.mlp.w1"),
+        ("mostly_replicated", ""),  # and so the plan shards nothing
+    ]
     assert not plan.errors
 
 

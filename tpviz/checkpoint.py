@@ -219,6 +219,8 @@ def contiguous_runs(
     if any(s == 0 for s in shape):
         return 0, []
     ndim = len(global_shape)
+    if ndim == 0:  # a scalar (0-dim) tensor is one run of one element
+        return 1, [0]
     # dims after `split` are whole; the run covers dim `split` of the block and all dims after
     split = ndim - 1
     while split > 0 and offset[split] == 0 and shape[split] == global_shape[split]:

@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -253,6 +253,7 @@ class LoadJob:
             "load_seconds": max(r["load_seconds"] for r in ranks),
             "plan_matches_shards": all(r["plan_matches_shards"] for r in ranks),
             "ranks": ranks,
+            "warnings": [asdict(w) for w in self.plan.warnings],
         }
         if self.options.init == "random":
             result["init_check"] = ranks[0]["init"]

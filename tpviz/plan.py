@@ -25,6 +25,7 @@ from .checkpoint import Checkpoint, dtype_name, torch_dtype
 from .chunks import Block, local_shape, shard_blocks
 from .chunks import chunk_offsets as chunk_offsets  # re-exported
 from .chunks import chunk_sizes as chunk_sizes  # re-exported
+from .keymap import Piece, Source, match_checkpoint, pieces
 from .models import (
     ModelAdapter,
     adapter_for_module,
@@ -36,6 +37,7 @@ from .models.config import config_dtype
 
 STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
 MAX_ISSUES_PER_CODE = 10
+MOSTLY_REPLICATED = 0.5  # above this share of replicated bytes, a plan gets a warning
 
 
 class PlanError(ValueError):
@@ -70,7 +72,11 @@ class TensorPlan:
     kind: str = "parameter"  # or "buffer"
     origin: str = "checkpoint"  # or "computed" (non-persistent buffers such as inv_freq)
     source_dtype: str | None = None  # dtype in the checkpoint, None without weights
-    checkpoint_key: str | None = None  # name in the checkpoint (a tied alias, at times)
+    # checkpoint tensors it is read from: one (its name, a tied alias or a renamed key), or
+    # several assembled into it, each filling the box in `sources`, combined as `combine` says
+    checkpoint_keys: list[str] = field(default_factory=list)
+    sources: list[Source] = field(default_factory=list)
+    combine: str | None = None
     pattern: str | None = None  # the plan key that decided the style
 
     @property
@@ -145,6 +151,7 @@ class ResolvedPlan:
                         RankShard(**{**r, "blocks": [Block(**b) for b in r["blocks"]]})
                         for r in p["ranks"]
                     ],
+                    "sources": [Source(**s) for s in p.get("sources", [])],
                 }
             )
             for p in data["params"]
@@ -464,9 +471,11 @@ def _resolve(
     found = heads.head_params(skeleton, cuts)
     _place_head_params(found, entries, module_styles, world_size, errors, warnings)
     if ckpt is not None and ckpt.has_weights:
-        _check_checkpoint(entries, ckpt, errors)
+        shapes = {k: info.shape for k, info in ckpt.tensors.items()}
+        match_checkpoint(entries, ckpt, adapter.checkpoint_map(skeleton, shapes), errors)
 
     per_rank = [sum(e.ranks[r].bytes for e in entries) for r in range(world_size)]
+    _warn_if_mostly_replicated(entries, world_size, warnings)
     plan = ResolvedPlan(
         world_size=world_size,
         dtype=dtype_name(target),
@@ -485,6 +494,28 @@ def _resolve(
     init = "checkpoint" if plan.has_weights else "random"
     plan.forecast = {s: forecast(plan, s, init=init).to_dict() for s in STRATEGIES}
     return plan
+
+
+def _warn_if_mostly_replicated(
+    entries: list[TensorPlan], world_size: int, warnings: _Issues
+) -> None:
+    """A plan that shards nothing, or leaves over half of the bytes whole on every rank, saves
+    little memory: say so (transformers gives some architectures no TP plan at all)."""
+    total = sum(e.nbytes for e in entries)
+    if world_size < 2 or not total:
+        return
+    replicated = sum(e.nbytes for e in entries if e.shard_dim is None)
+    share = replicated / total
+    if replicated < total and share <= MOSTLY_REPLICATED:
+        return
+    what = "the plan shards nothing: " if replicated == total else ""
+    warnings.add(
+        "mostly_replicated",
+        "",
+        f"{what}{share:.0%} of the model's bytes ({replicated} of {total}) are replicated, "
+        f"so every one of the {world_size} ranks holds them whole; give a plan that shards "
+        "the large tensors with --plan FILE.json (plan=...)",
+    )
 
 
 def _join(module: str, leaf: str) -> str:
@@ -617,40 +648,6 @@ def _shard_rows(entry: TensorPlan, world_size: int) -> None:
     entry.ranks = _ranks(entry.global_shape, 0, 1, world_size, torch_dtype(entry.dtype).itemsize)
 
 
-def _check_checkpoint(entries: list[TensorPlan], ckpt: Checkpoint, errors: _Issues) -> None:
-    known: set[str] = set()
-    for e in entries:
-        if e.origin != "checkpoint":
-            continue
-        names = [e.name, *e.tied_to]
-        known.update(names)
-        key = next((n for n in names if n in ckpt.tensors), None)
-        if key is None:
-            errors.add(
-                "missing_tensor",
-                e.name,
-                f"{e.name} is in the model but not in the checkpoint {ckpt.path}; check that "
-                "the checkpoint matches config.json (or pass --model)",
-            )
-            continue
-        info = ckpt.tensors[key]
-        e.checkpoint_key, e.source_dtype = key, info.dtype
-        if list(info.shape) != e.global_shape:
-            errors.add(
-                "shape_mismatch",
-                e.name,
-                f"{e.name}: the model expects shape {e.global_shape}, {info.file} holds "
-                f"{list(info.shape)}",
-            )
-    for name in sorted(set(ckpt.tensors) - known):
-        errors.add(
-            "unexpected_tensor",
-            name,
-            f"{name} is in the checkpoint ({ckpt.tensors[name].file}) but not in the model; "
-            "check that config.json matches the weights",
-        )
-
-
 # --- forecasts --------------------------------------------------------------------------------
 
 
@@ -726,16 +723,16 @@ def forecast(
     if strategy == "sliced":
         for _, unit in units:
             for t in unit:
-                staged = needs_staging(t, device, init)
-                for ledger, shard in zip(ledgers, t.ranks):
+                for rank, (ledger, shard) in enumerate(zip(ledgers, t.ranks)):
                     ledger.alloc(shard.bytes)
-                    for b in shard.blocks if staged else ():
-                        ledger.spike(t.source_nbytes(math.prod(b.shape)))
+                    for n in staged_reads(t, rank, device, init):
+                        ledger.spike(t.source_nbytes(n))
     elif strategy == "replicated":
         loaded = [t for _, unit in units for t in unit]
-        whole = sum(_full_bytes(t, init) for t in loaded)
-        for ledger in ledgers:
-            ledger.alloc(whole)
+        for t in loaded:
+            spikes = staged_reads(t, None, device, init)
+            for ledger in ledgers:
+                _read_full(ledger, t, init, spikes)
         for t in loaded:
             for ledger, shard in zip(ledgers, t.ranks):
                 ledger.alloc(shard.bytes)
@@ -744,7 +741,8 @@ def forecast(
         rank0 = ledgers[0]
         for _, unit in units:
             full = sum(_full_bytes(t, init) for t in unit)
-            rank0.alloc(full)
+            for t in unit:
+                _read_full(rank0, t, init, staged_reads(t, None, device, init))
             for t in unit:
                 rank0.alloc(t.ranks[0].bytes)
                 for r in range(1, w):
@@ -765,6 +763,35 @@ def forecast(
                     sent[0] += t.ranks[r].bytes
                     received[r] += t.ranks[r].bytes
     return Forecast([ledger.peak for ledger in ledgers], sent, received)
+
+
+def read_pieces(t: TensorPlan, rank: int | None) -> list[Piece]:
+    """The pieces of an assembled tensor's sources that `rank` reads into its shard, or
+    (`rank` None) that make the whole tensor."""
+    if rank is None:
+        whole = [Block([0] * len(t.global_shape), t.global_shape)]
+        return pieces(t.sources, whole, None, t.global_shape)
+    shard = t.ranks[rank]
+    return pieces(t.sources, shard.blocks, t.shard_dim, shard.shape)
+
+
+def staged_reads(t: TensorPlan, rank: int | None, device: str, init: str) -> list[int]:
+    """Element counts of the reads of `t` that go through a CPU buffer: every block when the
+    read casts or lands off the CPU; for an assembled tensor also each piece whose place in
+    the destination is not one contiguous run. `rank` None: a whole tensor read on the CPU
+    in the checkpoint's dtype."""
+    if init != "checkpoint":
+        return []
+    staged = rank is not None and needs_staging(t, device, init)
+    if t.sources:
+        return [p.numel for p in read_pieces(t, rank) if staged or not p.contiguous]
+    return [math.prod(b.shape) for b in t.ranks[rank].blocks] if staged else []
+
+
+def _read_full(ledger: Ledger, t: TensorPlan, init: str, staged: list[int]) -> None:
+    ledger.alloc(_full_bytes(t, init))
+    for n in staged:
+        ledger.spike(t.source_nbytes(n))
 
 
 def _full_bytes(t: TensorPlan, init: str) -> int:

@@ -119,6 +119,7 @@ def load_table(result: dict[str, Any]) -> str:
         f"{'yes' if result['plan_matches_shards'] else 'NO'}",
         table(headers, rows, right=range(1, len(headers))),
         "peak RSS + is resident-set growth during loading; it counts mmap'd file pages too.",
+        *(f"warning [{w['code']}]: {w['message']}" for w in result.get("warnings", [])),
     ]
     verify = result.get("verify")
     if verify:

@@ -12,13 +12,14 @@ import functools
 import importlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..keymap import KeyMap
 from .config import ConfigError, LlamaDims, read_config
 
 __all__ = ["HeadCounts", "ModelAdapter", "ConfigError", "get_adapter", "read_config"]
@@ -63,6 +64,13 @@ class ModelAdapter:
 
     def head_counts(self, config: dict[str, Any]) -> HeadCounts | None:
         return HeadCounts.from_config(config)
+
+    def checkpoint_map(
+        self, model: nn.Module, shapes: Mapping[str, Sequence[int]]
+    ) -> KeyMap | None:
+        """How checkpoint keys become the model's tensors; None: each tensor is the key of
+        its own name."""
+        return None
 
     def compute_buffers(self, model: nn.Module, device: torch.device) -> None:
         """Give non-persistent buffers (rotary caches) real values after a meta build."""

@@ -6,14 +6,17 @@ checkpoint (`auto_map` in config.json) runs only with `--model hf-remote-code`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..keymap import KeyMap
 from . import HeadCounts, ModelAdapter
 from .config import ConfigError
+from .hf_keys import checkpoint_map
 
 
 def _transformers(config: dict[str, Any]):
@@ -81,6 +84,10 @@ class HFAdapter(ModelAdapter):
 
     def head_counts(self, config: dict[str, Any]) -> HeadCounts | None:
         return HeadCounts.from_config(self.hf_config.get_text_config())
+
+    def checkpoint_map(self, model: nn.Module, shapes: Mapping[str, Sequence[int]]) -> KeyMap:
+        """The key renames and tensor assembly transformers applies when it loads this class."""
+        return checkpoint_map(model, shapes)
 
     def compute_buffers(self, model: nn.Module, device: torch.device) -> None:
         """Non-persistent buffers (rotary frequencies) get real storage, then the values

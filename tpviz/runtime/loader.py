@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..checkpoint import BlockReader, Checkpoint, CheckpointError, torch_dtype
+from ..checkpoint import BlockReader, Checkpoint, CheckpointError
 from ..events import Done, Phase
-from ..models import ModelAdapter, build_skeleton, get_adapter, prompt_ids, read_config
+from ..models import ModelAdapter, get_adapter, prompt_ids, read_config
 from ..plan import STRATEGIES, Ledger, ResolvedPlan, forecast, resolve_plan
 from ..profiling import PHASE_PREFIX, rank_profiler
 from .memory import MemorySampler, PeakRss
@@ -36,6 +36,7 @@ from .strategies import (
     load_rank0_broadcast,
     load_replicated,
     load_sliced,
+    plan_skeleton,
 )
 
 SLICED_INIT_NOTE = (
@@ -140,9 +141,8 @@ def _prepare(
 ) -> LoadContext:
     """The meta skeleton with computed buffers made for real and styles installed."""
     adapter = get_adapter(config, plan.model, plan.source)
-    model = build_skeleton(adapter, config).to(torch_dtype(plan.dtype))
+    model = plan_skeleton(plan, adapter, config, device)
     ledger = Ledger()
-    adapter.compute_buffers(model, device)
     for t in plan.params:
         if t.origin == "computed":
             ledger.alloc(local_of(lookup(model, t.name)).nbytes)

@@ -19,7 +19,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -30,7 +30,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError, TensorInfo, torch_dtype
 from ..events import Event, UnitDone, UnitStart
 from ..models import ModelAdapter, build_skeleton
-from ..plan import Ledger, ResolvedPlan, TensorPlan, needs_staging, sends_a_view
+from ..plan import (
+    Ledger,
+    ResolvedPlan,
+    TensorPlan,
+    needs_staging,
+    read_pieces,
+    sends_a_view,
+)
 from ..profiling import COLLECTIVE, COPY, READ, UNIT_PREFIX, no_span
 from .memory import prefault
 from .parallelize import install, is_distributed, local_of, owner_of
@@ -153,9 +160,13 @@ class LoadContext:
 
     # --- checkpoint reads -------------------------------------------------------------------
 
-    def info(self, t: TensorPlan) -> TensorInfo:
-        """The checkpoint entry for `t`, checked against the plan at read time."""
-        key = t.checkpoint_key or t.name
+    def infos(self, t: TensorPlan) -> list[TensorInfo]:
+        """The checkpoint entries `t` is read from, checked against the plan at read time; an
+        assembled tensor's sources are seen with the shape of their box in it."""
+        boxes = [s.shape for s in t.sources] or [t.global_shape]
+        return [self._info(t, key, box) for key, box in zip(t.checkpoint_keys, boxes)]
+
+    def _info(self, t: TensorPlan, key: str, box: list[int]) -> TensorInfo:
         info = self.checkpoint.tensors.get(key)
         if info is None:
             raise CheckpointError(
@@ -164,10 +175,11 @@ class LoadContext:
                 None,
                 key,
             )
-        if list(info.shape) != t.global_shape:
+        # a stacked source's box has extra dims of size 1: the same bytes in the same order
+        dims = (lambda shape: [d for d in shape if d != 1]) if t.sources else list
+        if dims(info.shape) != dims(box):
             raise CheckpointError(
-                f"{info.file}: tensor {key!r} has shape {list(info.shape)}, the plan expects "
-                f"{t.global_shape}",
+                f"{info.file}: tensor {key!r} has shape {list(info.shape)}, the plan expects {box}",
                 info.file,
                 key,
             )
@@ -178,13 +190,16 @@ class LoadContext:
                 info.file,
                 key,
             )
-        return info
+        return info if list(info.shape) == box else replace(info, shape=tuple(box))
 
     def read_full(self, t: TensorPlan) -> torch.Tensor:
-        info = self.info(t)
-        full = self.empty(t.global_shape, info.torch_dtype, "cpu")
+        infos = self.infos(t)
+        full = self.empty(t.global_shape, infos[0].torch_dtype, "cpu")
+        if t.sources:
+            read_pieces_into(self, t, infos, full, None, staged=False)
+            return full
         with self.span(READ):
-            self.reader.read_full(info, full)
+            self.reader.read_full(infos[0], full)
         return full
 
     def fill_part(
@@ -224,9 +239,14 @@ def load_sliced(ctx: LoadContext) -> None:
     for index, total, module, tensors in ctx.units():
         with ctx.unit(index, total, module, tensors):
             for t in tensors:
-                info = ctx.info(t)
+                infos = ctx.infos(t)
                 local = ctx.empty(t.ranks[ctx.rank].shape, t.dtype)
                 staged = needs_staging(t, ctx.device.type, "checkpoint")
+                if t.sources:
+                    read_pieces_into(ctx, t, infos, local, ctx.rank, staged)
+                    ctx.install(t, local)
+                    continue
+                info = infos[0]
                 for block, region in _regions(local, t, ctx.rank):
                     offset, shape = tuple(block.offset), tuple(block.shape)
                     if not staged:
@@ -241,6 +261,41 @@ def load_sliced(ctx: LoadContext) -> None:
                     ctx.release(buf)
                     del buf
                 ctx.install(t, local)
+
+
+def read_pieces_into(
+    ctx: LoadContext | None,
+    t: TensorPlan,
+    infos: list[TensorInfo],
+    dest: torch.Tensor,
+    rank: int | None,
+    staged: bool,
+    reader: BlockReader | None = None,
+) -> None:
+    """Fill `dest`, `rank`'s shard of the assembled tensor `t` (rank None: all of it), with
+    the pieces of its sources. A piece is read straight into its place when that place is one
+    contiguous run and no cast or device move is needed, else through a piece-sized buffer.
+    Without `ctx` (the single-process reference) nothing is counted."""
+    reader = reader or ctx.reader
+    span = ctx.span if ctx else no_span
+    for p in read_pieces(t, rank):
+        info = infos[p.source]
+        target = dest[tuple(slice(o, o + n) for o, n in zip(p.dst_offset, p.shape))]
+        if p.contiguous and not staged:
+            with span(READ):
+                reader.read_block(info, p.src_offset, p.shape, target)
+            continue
+        if ctx:
+            buf = ctx.empty(list(p.shape), info.torch_dtype, "cpu")
+        else:
+            buf = torch.empty(p.shape, dtype=info.torch_dtype)
+        with span(READ):
+            reader.read_block(info, p.src_offset, p.shape, buf)
+        with span(COPY):
+            target.copy_(buf)
+        if ctx:
+            ctx.release(buf)
+        del buf
 
 
 def init_sliced(ctx: LoadContext) -> None:
@@ -345,6 +400,22 @@ def load_replicated(ctx: LoadContext, reference: FullModel | None = None) -> Non
 # --- the single-process model -----------------------------------------------------------------
 
 
+def plan_skeleton(
+    plan: ResolvedPlan, adapter: ModelAdapter, config: dict, device: torch.device
+) -> nn.Module:
+    """The meta skeleton with every tensor in the plan's dtype and the computed buffers made
+    for real on `device`. Computed buffers (rotary caches) keep the dtype the model class gives
+    them: casting the skeleton first would compute them in a 16-bit target dtype, where
+    transformers keeps them in float32."""
+    model = build_skeleton(adapter, config).to(torch_dtype(plan.dtype))
+    for t in plan.params:
+        if t.origin == "computed":
+            owner, leaf = owner_of(model, t.name)
+            owner._buffers[leaf] = owner._buffers[leaf].to(torch_dtype(t.dtype))
+    adapter.compute_buffers(model, device)
+    return model
+
+
 class FullModel:
     """An unsharded model following a plan's tensors: the single-process reference, and the
     source of random initialisation for `replicated` and `rank0_broadcast`.
@@ -357,8 +428,7 @@ class FullModel:
     def __init__(self, plan: ResolvedPlan, adapter: ModelAdapter, config: dict, seed: int = 0):
         self.plan = plan
         self.adapter = adapter
-        self.model = build_skeleton(adapter, config).to(torch_dtype(plan.dtype))
-        adapter.compute_buffers(self.model, torch.device("cpu"))
+        self.model = plan_skeleton(plan, adapter, config, torch.device("cpu"))
         torch.manual_seed(seed)
 
     @property
@@ -392,8 +462,12 @@ class FullModel:
         """Every tensor read whole from the checkpoint and cast to the plan's dtype."""
         with BlockReader() as reader:
             for t, full in zip(self.loaded, self.materialize(None, None, self.loaded)):
-                info = checkpoint.tensors[t.checkpoint_key or t.name]
-                full.copy_(reader.read_full(info))
+                infos = [checkpoint.tensors[k] for k in t.checkpoint_keys]
+                if t.sources:
+                    boxes = [replace(i, shape=tuple(s.shape)) for i, s in zip(infos, t.sources)]
+                    read_pieces_into(None, t, boxes, full, None, True, reader)
+                else:
+                    full.copy_(reader.read_full(infos[0]))
 
     def dematerialize(self, tensors: list[TensorPlan]) -> None:
         for t in tensors:

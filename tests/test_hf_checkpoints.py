@@ -1,0 +1,354 @@
+"""Hugging Face checkpoints as people hold them: bfloat16, keys transformers renames or stacks
+when it loads, 0-dim tensors, and architectures transformers gives no TP plan. Checkpoints are
+made with transformers' own classes and save_pretrained (which writes the legacy key layout)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tpviz
+from tpviz.models import FIXED_PROMPT
+from tpviz.report import load_table, plan_table
+from tpviz.runtime.strategies import fill_part
+from tpviz.widgets.plan_view import issues_html
+
+from .conftest import run_cli
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(
+    vocab_size=1003,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+)
+MOE = dict(COMMON, hidden_size=64, intermediate_size=96, num_attention_heads=4)
+MODELS = {  # name: (model_type, config overrides, dtype saved)
+    "qwen2_bf16": ("qwen2", {}, torch.bfloat16),
+    "qwen2_f32": ("qwen2", {}, torch.float32),
+    "llama_bf16": ("llama", {}, torch.bfloat16),
+    "gpt_neox": ("gpt_neox", {"num_key_value_heads": None}, torch.float32),
+    "apertus": ("apertus", {}, torch.float32),  # xIELU's scalar beta and eps
+    "mixtral": ("mixtral", dict(MOE, num_local_experts=4), torch.float32),
+    "qwen2_moe_bf16": (
+        "qwen2_moe",
+        dict(MOE, num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=64),
+        torch.bfloat16,
+    ),
+    "falcon": ("falcon", {"num_key_value_heads": None, "intermediate_size": None}, torch.float32),
+}
+ROTARY = ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-checkpoints")
+    out = {}
+    for i, (name, (model_type, overrides, dtype)) in enumerate(MODELS.items()):
+        kwargs = {k: v for k, v in {**COMMON, **overrides}.items() if v is not None}
+        config = transformers.AutoConfig.for_model(model_type, **kwargs)
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+        model.save_pretrained(root / name, max_shard_size="300KB")
+        out[name] = root / name
+    return out
+
+
+def hf_model(source, dtype=None):
+    return transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+
+
+def rank_tensors(model, names):
+    """Each rank's local tensors (and their dtypes) for `names`: run on the ranks."""
+    from tpviz.runtime.parallelize import local_of, lookup
+
+    return {n: local_of(lookup(model, n)).detach().cpu().clone() for n in names}
+
+
+# --- dtypes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("qwen2_bf16", {}),  # transformers adapter, bf16 checkpoint
+        ("qwen2_f32", {"dtype": "bfloat16"}),  # cast while loading
+        ("llama_bf16", {"model": "hf"}),  # the Llama family through transformers
+    ],
+)
+def test_computed_buffers_keep_the_dtype_transformers_gives_them(hf_checkpoints, name, kwargs):
+    source = hf_checkpoints[name]
+    plan = tpviz.resolve_plan(source, 2, **kwargs)
+    assert plan.dtype == "bfloat16" and not plan.errors
+    assert [plan.tensor(n).dtype for n in ROTARY] == ["float32", "float32"]
+    with tpviz.launch(source, 2, plan, verify=True) as job:
+        result = job.wait(180)
+        logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
+        held = job.call(rank_tensors, ROTARY)
+    assert result["plan_matches_shards"], result["ranks"][0]["mismatches"]
+    assert result["verify"]["ok"] and result["verify"]["tolerance"] == 5e-2
+    reference = hf_model(source, torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(torch.tensor(FIXED_PROMPT) % 1003).logits
+    assert (logits.float() - expected.float()).abs().max().item() <= 5e-2
+    for rank in held:
+        for n in ROTARY:
+            want = reference.get_buffer(n)
+            assert rank[n].dtype == want.dtype == torch.float32 and torch.equal(rank[n], want)
+    assert all(r["peak_tensor_bytes"] == r["forecast_peak_bytes"] for r in result["ranks"])
+
+
+@pytest.mark.slow
+def test_cli_loads_a_bf16_checkpoint_and_verifies(hf_checkpoints):
+    loaded = run_cli(
+        "load", str(hf_checkpoints["qwen2_bf16"]), "--world-size", "2", "--verify", "--json"
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    result = json.loads(loaded.stdout)
+    assert result["plan_matches_shards"] and result["verify"]["ok"]
+
+
+# --- renamed keys -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_renamed_keys_are_resolved_in_the_plan_and_loaded(hf_checkpoints):
+    source = hf_checkpoints["gpt_neox"]
+    shown = run_cli("plan", str(source), "--world-size", "2", "--json")
+    assert shown.returncode == 0, shown.stderr
+    params = {p["name"]: p for p in json.loads(shown.stdout)["params"]}
+    assert params["lm_head.weight"]["checkpoint_keys"] == ["embed_out.weight"]
+    assert params["lm_head.weight"]["placement"] == "shard(0)"
+    embed = params["gpt_neox.embed_in.weight"]
+    assert embed["checkpoint_keys"] == ["gpt_neox.embed_in.weight"] and not embed["sources"]
+    with tpviz.launch(source, 2, verify=True) as job:
+        result = job.wait(180)
+        logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
+    assert result["plan_matches_shards"] and result["verify"]["ok"]
+    with torch.no_grad():
+        expected = hf_model(source)(torch.tensor(FIXED_PROMPT) % 1003).logits
+    assert (logits - expected).abs().max().item() <= 1e-4
+
+
+# --- tensors stacked from several checkpoint tensors -------------------------------------------
+
+
+def test_stacked_experts_list_their_checkpoint_tensors(hf_checkpoints):
+    plan = tpviz.resolve_plan(hf_checkpoints["mixtral"], 2)
+    # the style is another matter; the keys are all accounted for
+    assert {e.code for e in plan.errors} == {"unsupported_style"}
+    gate_up = plan.tensor("model.layers.1.mlp.experts.gate_up_proj")
+    prefix = "model.layers.1.block_sparse_moe.experts"
+    assert gate_up.checkpoint_keys == [
+        f"{prefix}.{e}.w{w}.weight" for w in (1, 3) for e in range(4)
+    ]
+    assert gate_up.combine == "stack(0), cat(1)" and gate_up.global_shape == [4, 192, 64]
+    assert [(s.offset, s.shape) for s in gate_up.sources[3:5]] == [
+        ([3, 0, 0], [1, 96, 64]),
+        ([0, 96, 0], [1, 96, 64]),
+    ]
+    down = tpviz.resolve_plan(hf_checkpoints["qwen2_moe_bf16"], 2).tensor(
+        "model.layers.0.mlp.experts.down_proj"
+    )
+    assert down.checkpoint_keys == [
+        f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(4)
+    ]
+    assert down.combine == "stack(0)" and down.source_dtype == "bfloat16"
+    again = tpviz.ResolvedPlan.from_json(plan.to_json())
+    assert again.tensor(gate_up.name).sources == gate_up.sources
+
+
+# experts cut along the stack (two blocks per rank) and across each source (down_proj)
+EXPERT_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise",
+    "embed_tokens": "embedding_rowwise",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, strategy, dtype",
+    [
+        ("mixtral", "sliced", None),
+        ("mixtral", "rank0_broadcast", None),
+        ("mixtral", "replicated", None),
+        ("qwen2_moe_bf16", "sliced", "float32"),  # read through a buffer and cast
+    ],
+)
+def test_each_rank_reads_its_slices_of_each_stacked_source(hf_checkpoints, name, strategy, dtype):
+    source = hf_checkpoints[name]
+    plan = tpviz.resolve_plan(source, 2, EXPERT_PLAN, dtype=dtype)
+    assert not plan.errors, plan.errors
+    stacked = [t for t in plan.params if t.sources]
+    assert len(stacked) == 4
+    with tpviz.launch(source, 2, plan, strategy=strategy) as job:
+        result = job.wait(180)
+        held = job.call(rank_tensors, [t.name for t in stacked])
+    assert result["plan_matches_shards"]
+    assert all(r["peak_tensor_bytes"] == r["forecast_peak_bytes"] for r in result["ranks"])
+    reference = hf_model(source, torch.float32 if dtype else None)
+    for t in stacked:
+        full = reference.get_parameter(t.name).detach()
+        for rank, tensors in enumerate(held):
+            expected = torch.empty(t.ranks[rank].shape, dtype=full.dtype)
+            assert torch.equal(tensors[t.name], fill_part(expected, full, t, rank)), (t.name, rank)
+
+
+# --- 0-dim tensors ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["sliced", "rank0_broadcast", "replicated"])
+def test_scalar_tensors_load_under_every_strategy(hf_checkpoints, strategy):
+    source = hf_checkpoints["apertus"]
+    plan = tpviz.resolve_plan(source, 2)
+    beta = plan.tensor("model.layers.0.mlp.act_fn.beta")
+    assert beta.global_shape == [] and beta.placement == "replicate"
+    assert "scalar" in plan_table(plan)
+    with tpviz.launch(source, 2, plan, strategy=strategy, verify=True) as job:
+        result = job.wait(180)
+        held = job.call(rank_tensors, [beta.name])
+    assert result["plan_matches_shards"] and result["verify"]["ok"]
+    assert all(r["peak_tensor_bytes"] == r["forecast_peak_bytes"] for r in result["ranks"])
+    expected = hf_model(source).get_buffer(beta.name)
+    assert all(torch.equal(h[beta.name], expected) for h in held)
+
+
+# --- plans that shard nothing -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["falcon", "stablelm", "bitnet"])
+def test_a_plan_that_shards_nothing_says_so(tmp_path, model_type):
+    kwargs = {k: v for k, v in COMMON.items() if model_type != "falcon" or "key" not in k}
+    transformers.AutoConfig.for_model(model_type, **kwargs).save_pretrained(tmp_path)
+    plan = tpviz.resolve_plan(tmp_path, 2)
+    assert not plan.errors and all(t.placement == "replicate" for t in plan.params)
+    (warning,) = [w for w in plan.warnings if w.code == "mostly_replicated"]
+    assert "100%" in warning.message and "--plan" in warning.message
+    assert "warning [mostly_replicated]" in plan_table(plan)
+    assert "warning [mostly_replicated]" in issues_html(plan)  # the PlanView's issue list
+    assert not any(w.code == "mostly_replicated" for w in tpviz.resolve_plan(tmp_path, 1).warnings)
+
+
+def test_a_plan_that_leaves_most_bytes_whole_says_so(hf_checkpoints):
+    source = hf_checkpoints["qwen2_f32"]
+    assert not [w for w in tpviz.resolve_plan(source, 2).warnings if w.code == "mostly_replicated"]
+    few = tpviz.resolve_plan(source, 2, {"layers.*.self_attn.q_proj": "colwise"})
+    (warning,) = [w for w in few.warnings if w.code == "mostly_replicated"]
+    share = sum(t.nbytes for t in few.params if t.placement == "replicate") / few.total_bytes
+    assert f"{share:.0%}" in warning.message and "shards nothing" not in warning.message
+
+
+@pytest.mark.slow
+def test_loading_a_plan_that_shards_nothing_warns(hf_checkpoints):
+    shown = run_cli("plan", str(hf_checkpoints["falcon"]), "--world-size", "2")
+    assert shown.returncode == 0 and "warning [mostly_replicated]" in shown.stdout
+    with tpviz.launch(hf_checkpoints["falcon"], 2) as job:
+        result = job.wait(180)
+    assert result["plan_matches_shards"]
+    assert [w["code"] for w in result["warnings"]] == ["mostly_replicated"]
+    assert "warning [mostly_replicated]" in load_table(result)
+
+
+# --- a conversion registered with transformers: fused projections -------------------------------
+
+REGISTERED = """
+import json, sys
+import torch
+import transformers
+import tpviz
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Concatenate, Transpose, WeightConverter
+
+source, prompt = sys.argv[1], torch.tensor(json.loads(sys.argv[2])) % 1003
+fused = WeightConverter(
+    ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.gate_up_proj.weight", [Concatenate(0)]
+)
+register_checkpoint_conversion_mapping("phi3", [fused])
+plan = tpviz.resolve_plan(source, 2)
+gate_up = plan.tensor("model.layers.0.mlp.gate_up_proj.weight")
+with tpviz.launch(source, 2, plan, verify=True) as job:
+    result = job.wait(180)
+    logits = job.forward(prompt)
+expected = transformers.AutoModelForCausalLM.from_pretrained(source)(prompt).logits
+qkv = "self_attn.qkv_proj.weight"
+transposed = WeightConverter(qkv, qkv, [Transpose()])
+register_checkpoint_conversion_mapping("phi3", [fused, transposed], overwrite=True)
+print(json.dumps({
+    "errors": [e.code for e in plan.errors],
+    "keys": gate_up.checkpoint_keys,
+    "combine": gate_up.combine,
+    "ok": result["plan_matches_shards"] and result["verify"]["ok"],
+    "diff": (logits - expected).abs().max().item(),
+    "unsupported": [(e.code, e.name, e.message) for e in tpviz.resolve_plan(source, 2).errors],
+}))
+"""
+
+
+@pytest.mark.slow
+def test_projections_fused_by_a_registered_conversion_are_read_per_source(tmp_path):
+    """A user's conversion registered with transformers (public API) is applied too: phi3's
+    fused gate_up_proj read from separate gate and up tensors, each rank its slices of both."""
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.Phi3Config(**{**COMMON, "num_key_value_heads": 8}, pad_token_id=0)
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("mlp.gate_up_proj.weight")]:
+        gate, up = tensors.pop(name).chunk(2)
+        tensors[name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+        tensors[name.replace("gate_up_proj", "up_proj")] = up.contiguous()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    run = subprocess.run(
+        [sys.executable, "-c", REGISTERED, str(tmp_path), json.dumps(FIXED_PROMPT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["errors"] == [] and out["ok"] and out["diff"] <= 1e-4
+    layer = "model.layers.0.mlp"
+    assert out["keys"] == [f"{layer}.gate_proj.weight", f"{layer}.up_proj.weight"]
+    assert out["combine"] == "cat(0)"
+    codes = {code for code, _, _ in out["unsupported"]}
+    assert codes == {"unsupported_conversion"}
+    assert "Transpose" in out["unsupported"][0][2] and "qkv_proj" in out["unsupported"][0][1]
+
+
+def test_tensors_transformers_ignores_on_load_are_not_errors(hf_checkpoints, tmp_path):
+    """Old checkpoints hold per-layer rotary `inv_freq` copies, which transformers drops as it
+    loads; a tensor no rule covers is still an error."""
+    from safetensors.torch import save_file
+
+    source = hf_checkpoints["gpt_neox"]
+    for f in source.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    extra = {
+        "gpt_neox.layers.0.attention.rotary_emb.inv_freq": torch.ones(4),
+        "gpt_neox.layers.0.attention.extra.weight": torch.ones(4),
+    }
+    save_file(extra, tmp_path / "model-extra.safetensors", metadata={"format": "pt"})
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(extra, "model-extra.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    plan = tpviz.resolve_plan(tmp_path, 2)
+    assert [(e.code, e.name) for e in plan.errors] == [
+        ("unexpected_tensor", "gpt_neox.layers.0.attention.extra.weight")
+    ]

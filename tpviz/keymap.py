@@ -1,0 +1,214 @@
+"""Checkpoint keys -> model tensors: renamed keys, and tensors assembled from several keys.
+
+A model class may name a tensor differently from its checkpoints (transformers renames keys
+as it loads) or build one tensor from several checkpoint tensors (per-expert weights stacked
+into one, projections concatenated). A `Source` says where one checkpoint tensor lies in the
+model tensor: a box, offset and shape per dim of the model tensor. Stacking gives the box a
+new dim of size 1, which leaves the source's row-major byte order as it is, so any sub-box of
+the box can be read as a block of the source seen with the box's shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .checkpoint import Checkpoint
+
+
+@dataclass(slots=True)
+class Source:
+    """One checkpoint tensor's box in the model tensor it is assembled into."""
+
+    key: str
+    offset: list[int]
+    shape: list[int]
+
+
+@dataclass
+class Layout:
+    """A model tensor's shape and the sources that fill it (a symbolic tensor)."""
+
+    shape: list[int]
+    sources: list[Source]
+
+    @classmethod
+    def of(cls, key: str, shape: Sequence[int]) -> Layout:
+        return cls(list(shape), [Source(key, [0] * len(shape), list(shape))])
+
+
+class KeyMapError(ValueError):
+    """Checkpoint tensors that cannot be assembled as the model class asks."""
+
+
+def stack(layouts: Sequence[Layout], dim: int) -> Layout:
+    """`torch.stack` of the layouts along a new dim `dim`."""
+    shapes = {tuple(lay.shape) for lay in layouts}
+    if len(shapes) != 1:
+        raise KeyMapError(f"cannot stack tensors of shapes {sorted(shapes)}")
+    shape = list(layouts[0].shape)
+    dim = dim % (len(shape) + 1)
+    sources = [
+        Source(s.key, [*s.offset[:dim], i, *s.offset[dim:]], [*s.shape[:dim], 1, *s.shape[dim:]])
+        for i, lay in enumerate(layouts)
+        for s in lay.sources
+    ]
+    return Layout([*shape[:dim], len(layouts), *shape[dim:]], sources)
+
+
+def cat(layouts: Sequence[Layout], dim: int) -> Layout:
+    """`torch.cat` of the layouts along `dim`."""
+    first = layouts[0].shape
+    dim = dim % len(first)
+    if any(len(lay.shape) != len(first) for lay in layouts) or any(
+        lay.shape[:dim] + lay.shape[dim + 1 :] != first[:dim] + first[dim + 1 :] for lay in layouts
+    ):
+        raise KeyMapError(
+            f"cannot concatenate shapes {[lay.shape for lay in layouts]} along dim {dim}"
+        )
+    sources, start = [], 0
+    for lay in layouts:
+        for s in lay.sources:
+            offset = list(s.offset)
+            offset[dim] += start
+            sources.append(Source(s.key, offset, list(s.shape)))
+        start += lay.shape[dim]
+    shape = list(first)
+    shape[dim] = start
+    return Layout(shape, sources)
+
+
+@dataclass
+class Assembly:
+    """How one model tensor is read: its checkpoint keys; for several, each one's box and the
+    operations that combine them (e.g. `stack(0), cat(1)`), or why tpviz cannot."""
+
+    keys: list[str]
+    shape: list[int]
+    sources: list[Source] = field(default_factory=list)
+    combine: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class KeyMap:
+    """Model tensor name -> its assembly, for every checkpoint key the model class maps;
+    `ignored`: checkpoint keys the model class drops on purpose when it loads."""
+
+    assemblies: dict[str, Assembly] = field(default_factory=dict)
+    ignored: set[str] = field(default_factory=set)
+
+
+def match_checkpoint(entries: Sequence, ckpt: Checkpoint, keymap: KeyMap | None, errors) -> None:
+    """Give each loaded tensor plan its checkpoint keys (and sources, if assembled), checked
+    against the headers; `errors.add` the model tensors the checkpoint lacks or cannot give and
+    the checkpoint tensors the model does not use. `keymap` None: a tensor's key is its name."""
+    used = set(keymap.ignored) if keymap else set()
+    for e in entries:
+        if e.origin != "checkpoint":
+            continue
+        found = _assembly(e, ckpt, keymap)
+        if found is None:
+            errors.add(
+                "missing_tensor",
+                e.name,
+                f"{e.name} is in the model but not in the checkpoint {ckpt.path}; check that "
+                "the checkpoint matches config.json (or pass --model)",
+            )
+            continue
+        used.update(found.keys)
+        if found.error:
+            errors.add("unsupported_conversion", e.name, found.error)
+            continue
+        infos = [ckpt.tensors[k] for k in found.keys]
+        e.checkpoint_keys, e.sources, e.combine = found.keys, found.sources, found.combine
+        e.source_dtype = infos[0].dtype
+        dtypes = sorted({i.dtype for i in infos})
+        if len(dtypes) > 1:
+            errors.add(
+                "mixed_dtypes",
+                e.name,
+                f"{e.name}: its checkpoint tensors mix dtypes {', '.join(dtypes)}; save them in "
+                "one dtype",
+            )
+        if found.shape != e.global_shape:
+            if len(infos) == 1:
+                held = f"{infos[0].file} holds {found.shape} as {found.keys[0]}"
+            else:
+                held = f"its {len(infos)} checkpoint tensors make {found.shape} ({found.combine})"
+            errors.add(
+                "shape_mismatch",
+                e.name,
+                f"{e.name}: the model expects shape {e.global_shape}, {held}",
+            )
+    for name in sorted(set(ckpt.tensors) - used):
+        errors.add(
+            "unexpected_tensor",
+            name,
+            f"{name} is in the checkpoint ({ckpt.tensors[name].file}) but not in the model; "
+            "check that config.json matches the weights",
+        )
+
+
+def _assembly(e, ckpt: Checkpoint, keymap: KeyMap | None) -> Assembly | None:
+    names = [e.name, *e.tied_to]
+    if keymap is not None:
+        return next((keymap.assemblies[n] for n in names if n in keymap.assemblies), None)
+    key = next((n for n in names if n in ckpt.tensors), None)
+    return None if key is None else Assembly([key], list(ckpt.tensors[key].shape))
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """The part of one source that falls in one block of a destination tensor."""
+
+    source: int  # index into the tensor's sources
+    src_offset: tuple[int, ...]  # in the source's box
+    dst_offset: tuple[int, ...]  # in the destination tensor
+    shape: tuple[int, ...]
+    contiguous: bool  # the destination box is one contiguous run: read straight into it
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def pieces(
+    sources: Sequence[Source], blocks: Iterable, dim: int | None, dest_shape: Sequence[int]
+) -> list[Piece]:
+    """The pieces of `sources` that fill `blocks` (offset and shape in the model tensor), laid
+    one after another along `dim` in a destination tensor of `dest_shape`."""
+    out, pos = [], 0
+    for block in blocks:
+        b_lo, b_hi = block.offset, [o + n for o, n in zip(block.offset, block.shape)]
+        for i, s in enumerate(sources):
+            for b0, b1, o, n in zip(b_lo, b_hi, s.offset, s.shape):
+                if o >= b1 or o + n <= b0:
+                    break  # most sources miss a block in their first dim: stop there
+            else:
+                out.append(_piece(i, s, b_lo, b_hi, dim, pos, dest_shape))
+        if dim is not None:
+            pos += block.shape[dim]
+    return out
+
+
+def _piece(i: int, s: Source, b_lo, b_hi, dim: int | None, pos: int, dest_shape) -> Piece:
+    """Source `i`'s overlap with the block spanning `b_lo`..`b_hi`, placed at `pos` along
+    `dim` in the destination."""
+    lo = [max(a, b) for a, b in zip(b_lo, s.offset)]
+    shape = tuple(min(a, b + n) - low for a, b, n, low in zip(b_hi, s.offset, s.shape, lo))
+    dst = [low - b for low, b in zip(lo, b_lo)]
+    if dim is not None:
+        dst[dim] += pos
+    src = tuple(low - o for low, o in zip(lo, s.offset))
+    return Piece(i, src, tuple(dst), shape, is_one_run(dest_shape, dst, shape))
+
+
+def is_one_run(shape: Sequence[int], offset: Sequence[int], box: Sequence[int]) -> bool:
+    """Whether the box at `offset` in a row-major tensor of `shape` is one contiguous run:
+    after its leading dims of size 1, one dim may be partial, every later one must be whole."""
+    d = 0
+    while d < len(box) - 1 and box[d] == 1:
+        d += 1
+    return all(box[k] == shape[k] and offset[k] == 0 for k in range(d + 1, len(box)))

@@ -1,0 +1,117 @@
+"""The checkpoint-key mapping transformers applies when it loads a model class, as a `KeyMap`.
+
+transformers keeps, per model type and class, a list of `WeightRenaming`s (renames such as
+GPT-NeoX's `embed_out.` -> `lm_head.`, legacy `LayerNorm.gamma`) and `WeightConverter`s (several
+checkpoint tensors made into one parameter by operations such as `MergeModulelist`, a stack,
+and `Concatenate`). tpviz asks transformers for that list (`get_model_conversion_mapping`) and
+renames every key with transformers' own `rename_source_key`, so the table cannot drift; the
+operations are replayed on shapes only (`tpviz.keymap`), which tells each rank which boxes of
+which source tensors hold its slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+
+from ..keymap import Assembly, KeyMap, KeyMapError, Layout, cat, stack
+
+
+def checkpoint_map(model: nn.Module, shapes: Mapping[str, Sequence[int]]) -> KeyMap:
+    """How the transformers model `model` reads a checkpoint whose tensors have `shapes`."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    state = dict.fromkeys(model.state_dict(), True)
+    prefix = model.base_model_prefix
+    plain: dict[str, str] = {}
+    unexpected: dict[str, list[str]] = {}  # renamed -> checkpoint keys the model lacks
+    grouped: dict[str, tuple[object, dict[str, list[str]]]] = {}
+    # transformers collects the tensors of a stack in this order
+    for key in sorted(shapes, key=dot_natural_key):
+        name, pattern = rename_source_key(key, renamings, converters, prefix, state)
+        if name not in state and key in state:  # as transformers: keep a key the model has
+            name, pattern = rename_source_key(key, [], [], prefix, state)
+        if name not in state:
+            unexpected.setdefault(name, []).append(key)
+            continue
+        if pattern is None:
+            plain.setdefault(name, key)
+        else:
+            _, collected = grouped.setdefault(name, (by_pattern[pattern], {}))
+            collected.setdefault(pattern, []).append(key)
+    result = KeyMap({n: Assembly([k], list(shapes[k])) for n, k in plain.items()})
+    result.ignored = {k for n in _ignored(model, set(unexpected)) for k in unexpected[n]}
+    for name, (converter, collected) in grouped.items():
+        try:
+            result.assemblies[name] = _assemble(converter, collected, shapes)
+        except KeyMapError as e:
+            keys = [k for ks in collected.values() for k in ks]
+            error = (
+                f"{name}: transformers builds it from {', '.join(keys[:3])}"
+                f"{' ...' if len(keys) > 3 else ''} with {_ops(converter)}; {e}"
+            )
+            result.assemblies[name] = Assembly(keys, [], error=error)
+    return result
+
+
+def _ignored(model: nn.Module, unexpected: set[str]) -> set[str]:
+    """The unexpected (renamed) keys transformers drops without a word when it loads: the
+    class's `_keys_to_ignore_on_load_unexpected` and its own exceptions (old per-layer rotary
+    `inv_freq`, `position_ids` that became non-persistent)."""
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    info = LoadStateDictInfo(
+        missing_keys=set(),
+        unexpected_keys=set(unexpected),
+        mismatched_keys=set(),
+        error_msgs=[],
+        conversion_errors={},
+        skipped_pp_keys=set(),
+    )
+    model._adjust_missing_and_unexpected_keys(info)
+    return unexpected - info.unexpected_keys
+
+
+def _ops(converter) -> str:
+    return ", ".join(type(op).__name__ for op in converter.operations)
+
+
+def _assemble(converter, collected: dict[str, list[str]], shapes) -> Assembly:
+    """Replay the converter's operations on the shapes of its source tensors."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    value: dict[str, list[Layout]] = {
+        p: [Layout.of(k, shapes[k]) for k in keys] for p, keys in collected.items()
+    }
+    steps = []
+    for op in converter.operations:
+        if isinstance(op, MergeModulelist):
+            value = {p: [stack(layouts, op.dim)] for p, layouts in value.items()}
+            steps.append(f"stack({op.dim})")
+        elif isinstance(op, Concatenate):
+            # transformers concatenates in the order of the converter's source patterns
+            ordered = [lay for p in converter.source_patterns for lay in value.get(p, [])]
+            value = {"": [cat(ordered, op.dim)]}
+            steps.append(f"cat({op.dim})")
+        else:
+            raise KeyMapError(
+                f"tpviz reads tensors stacked (MergeModulelist) or concatenated (Concatenate) "
+                f"from checkpoint tensors, not {type(op).__name__}; save the checkpoint with the "
+                "model's own tensor names"
+            )
+    layouts = [lay for lays in value.values() for lay in lays]
+    if len(layouts) != 1:
+        raise KeyMapError(f"its operations leave {len(layouts)} tensors, not one")
+    (layout,) = layouts
+    keys = [s.key for s in layout.sources]
+    return Assembly(keys, layout.shape, layout.sources, ", ".join(steps))
