@@ -30,12 +30,8 @@ CORE = (
     "models",
 )
 
-# Known exceptions, each an edge that closes a cycle; keep this list empty. `tpviz.models`
-# (the package) imports `models.hf` inside get_adapter (transformers is optional and slow to
-# import), while `models.hf` subclasses ModelAdapter from the package. The fix is to move
-# ModelAdapter and HeadCounts into their own module (`models/adapter.py`); that waits until the
-# branches now editing ModelAdapter (hf-keys, hf-heads) have merged, to avoid a conflict.
-KNOWN_CYCLE_EDGES = {("tpviz.models", "tpviz.models.hf")}
+# Known exceptions, each an edge that closes a cycle; keep this list empty.
+KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:

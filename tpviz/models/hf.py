@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..keymap import KeyMap
-from . import HeadCounts, ModelAdapter
+from .adapter import HeadCounts, ModelAdapter
 from .config import ConfigError
 from .hf_keys import checkpoint_map
 

@@ -1,0 +1,87 @@
+"""The adapter interface: what tpviz needs from a model family, and head counts.
+
+Its own module so that adapters living in submodules (models/hf.py) import it without
+importing the package that chooses among them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..keymap import KeyMap
+from .config import ConfigError
+
+
+@dataclass(frozen=True)
+class HeadCounts:
+    """The config's attention heads; an attention module's own attributes take precedence."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> HeadCounts | None:
+        """From a config dict or object (transformers' maps `n_head` and such onto these)."""
+        get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+        heads = get("num_attention_heads")
+        if not isinstance(heads, int) or heads < 1:
+            return None
+        hidden = get("hidden_size")
+        head_dim = get("head_dim") or (hidden // heads if isinstance(hidden, int) else 0)
+        return cls(heads, get("num_key_value_heads") or heads, int(head_dim))
+
+
+class ModelAdapter:
+    """What tpviz needs from a model family. Subclasses override what differs."""
+
+    name = "module"
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        """The model on the current default device (tpviz calls it under `torch.device`)."""
+        raise ConfigError("this model was given as a module; tpviz cannot rebuild it from a config")
+
+    def default_plan(self, model: nn.Module) -> dict[str, str]:
+        """The model's own `tp_plan` attribute, if it has one."""
+        return dict(getattr(model, "tp_plan", None) or {})
+
+    def config_of(self, model: nn.Module) -> dict[str, Any]:
+        config = getattr(model, "config", None)
+        return config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
+
+    def head_counts(self, config: dict[str, Any]) -> HeadCounts | None:
+        return HeadCounts.from_config(config)
+
+    def checkpoint_map(
+        self, model: nn.Module, shapes: Mapping[str, Sequence[int]]
+    ) -> KeyMap | None:
+        """How checkpoint keys become the model's tensors; None: each tensor is the key of
+        its own name."""
+        return None
+
+    def compute_buffers(self, model: nn.Module, device: torch.device) -> None:
+        """Give non-persistent buffers (rotary caches) real values after a meta build."""
+        for module in model.modules():
+            if hasattr(module, "tpviz_compute_buffers"):
+                module.tpviz_compute_buffers(device)
+
+    def init_module(self, model: nn.Module, module: nn.Module) -> None:
+        """Random-initialise the tensors `module` owns directly, with its own init."""
+        reset = getattr(module, "reset_parameters", None)
+        if reset is None:
+            raise ConfigError(
+                f"{type(module).__name__} has no reset_parameters(); tpviz cannot random-"
+                "initialise it"
+            )
+        reset()
+
+    def logits(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids)
+
+    def vocab_size(self, config: dict[str, Any]) -> int:
+        return int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
