@@ -14,37 +14,27 @@ import tpviz
 from tpviz.models import FIXED_PROMPT
 
 from .conftest import REPO, run_cli
+from .hf_tiny import TINY_DIMS
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(
-    vocab_size=1003,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**COMMON),  # GQA
-    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),  # q/k/v bias
-    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
-    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),  # q/k norms
+    "llama": lambda: transformers.LlamaConfig(**TINY_DIMS),  # GQA
+    "qwen2": lambda: transformers.Qwen2Config(**TINY_DIMS, tie_word_embeddings=True),  # q/k/v bias
+    "mistral": lambda: transformers.MistralConfig(**TINY_DIMS, sliding_window=None),
+    "qwen3": lambda: transformers.Qwen3Config(**TINY_DIMS, head_dim=16),  # q/k norms
     "phi3": lambda: transformers.Phi3Config(
-        **{**COMMON, "num_key_value_heads": 8}, pad_token_id=0
+        **{**TINY_DIMS, "num_key_value_heads": 8}, pad_token_id=0
     ),  # fused qkv and gate_up
     "minicpm3": lambda: transformers.MiniCPM3Config(
-        **{**COMMON, "num_key_value_heads": 8},
+        **{**TINY_DIMS, "num_key_value_heads": 8},
         q_lora_rank=48,
         kv_lora_rank=32,
         qk_rope_head_dim=8,
         qk_nope_head_dim=16,
         v_head_dim=16,
     ),  # multi-head latent attention: mla_kv_a_proj
-    "granite_swa": lambda: transformers.GraniteSWAConfig(**COMMON, pad_token_id=0),  # sinks
+    "granite_swa": lambda: transformers.GraniteSWAConfig(**TINY_DIMS, pad_token_id=0),  # sinks
 }
 
 

@@ -16,21 +16,13 @@ import tpviz
 from tpviz import cli
 from tpviz.models import FIXED_PROMPT
 
+from .hf_tiny import TINY_DIMS
+
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(
-    vocab_size=1003,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-# name -> (model_type, changes to COMMON; None drops a key)
+DIMS = dict(TINY_DIMS, pad_token_id=0)
+
+# name -> (model_type, changes to DIMS; None drops a key)
 ARCHS: dict[str, tuple[str, dict]] = {
     "gemma2": ("gemma2", dict(head_dim=16)),
     "gemma3_text": ("gemma3_text", dict(head_dim=16)),
@@ -78,7 +70,7 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 
 def make_config(name: str):
     model_type, changes = ARCHS[name]
-    merged = {**COMMON, **changes}
+    merged = {**DIMS, **changes}
     return transformers.AutoConfig.for_model(
         model_type, **{k: v for k, v in merged.items() if v is not None}
     )
@@ -161,7 +153,7 @@ def test_per_head_norms_are_sharded_with_their_heads(arch_checkpoint):
 
 
 def test_attention_sinks_left_whole_by_a_plan_are_sharded_by_head(tmp_path):
-    transformers.GraniteSWAConfig(**COMMON).save_pretrained(tmp_path)
+    transformers.GraniteSWAConfig(**DIMS).save_pretrained(tmp_path)
     patterns = tpviz.resolve_plan(tmp_path, 2).patterns
     mine = {k: v for k, v in patterns.items() if not k.endswith(("sinks", "self_attn"))}
     plan = tpviz.resolve_plan(tmp_path, 2, mine)
@@ -173,7 +165,7 @@ def test_attention_sinks_left_whole_by_a_plan_are_sharded_by_head(tmp_path):
 def test_a_norm_spanning_all_heads_of_a_cut_projection_is_refused(tmp_path, capsys):
     # OLMo-2 normalises q and k over all heads at once; transformers' plan gathers them, a
     # plan that keeps them sharded by head cannot run
-    transformers.AutoConfig.for_model("olmo2", **COMMON).save_pretrained(tmp_path / "olmo2")
+    transformers.AutoConfig.for_model("olmo2", **DIMS).save_pretrained(tmp_path / "olmo2")
     plan = {
         **{f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
         "layers.*.self_attn.o_proj": "rowwise",

@@ -16,18 +16,11 @@ from tpviz.runtime.strategies import fill_part
 from tpviz.widgets.plan_view import issues_html
 
 from .conftest import run_cli
+from .hf_tiny import TINY_DIMS
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(
-    vocab_size=1003,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-)
-MOE = dict(COMMON, hidden_size=64, intermediate_size=96, num_attention_heads=4)
+MOE = dict(TINY_DIMS, hidden_size=64, intermediate_size=96, num_attention_heads=4)
 MODELS = {  # name: (model_type, config overrides, dtype saved)
     "qwen2_bf16": ("qwen2", {}, torch.bfloat16),
     "qwen2_f32": ("qwen2", {}, torch.float32),
@@ -50,7 +43,7 @@ def hf_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-checkpoints")
     out = {}
     for i, (name, (model_type, overrides, dtype)) in enumerate(MODELS.items()):
-        kwargs = {k: v for k, v in {**COMMON, **overrides}.items() if v is not None}
+        kwargs = {k: v for k, v in {**TINY_DIMS, **overrides}.items() if v is not None}
         config = transformers.AutoConfig.for_model(model_type, **kwargs)
         torch.manual_seed(i)
         model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
@@ -228,7 +221,7 @@ def test_scalar_tensors_load_under_every_strategy(hf_checkpoints, strategy):
 
 @pytest.mark.parametrize("model_type", ["falcon", "stablelm", "bitnet"])
 def test_a_plan_that_shards_nothing_says_so(tmp_path, model_type):
-    kwargs = {k: v for k, v in COMMON.items() if model_type != "falcon" or "key" not in k}
+    kwargs = {k: v for k, v in TINY_DIMS.items() if model_type != "falcon" or "key" not in k}
     transformers.AutoConfig.for_model(model_type, **kwargs).save_pretrained(tmp_path)
     plan = tpviz.resolve_plan(tmp_path, 2)
     assert not plan.errors and all(t.placement == "replicate" for t in plan.params)
@@ -300,7 +293,7 @@ def test_projections_fused_by_a_registered_conversion_are_read_per_source(tmp_pa
     fused gate_up_proj read from separate gate and up tensors, each rank its slices of both."""
     from safetensors.torch import load_file, save_file
 
-    config = transformers.Phi3Config(**{**COMMON, "num_key_value_heads": 8}, pad_token_id=0)
+    config = transformers.Phi3Config(**{**TINY_DIMS, "num_key_value_heads": 8}, pad_token_id=0)
     torch.manual_seed(7)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
