@@ -24,6 +24,7 @@ def test_load_sharded_under_torchrun_writes_each_ranks_events(tmp_path, tiny):
         "GLOO_SOCKET_IFNAME": "lo",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(REPO),
+        "TMPDIR": str(tmp_path),  # torchrun keeps its own logs there and never removes them
     }
     run = subprocess.run(
         [
