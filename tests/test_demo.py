@@ -13,7 +13,7 @@ from tpviz.checkpoint import Checkpoint, dtype_name
 from tpviz.models import BuiltinLlama, build_skeleton
 from tpviz.models.demo import PRESETS, demo_config, make_checkpoint
 from tpviz.plan import resolve_plan
-from tpviz.runtime.strategies import FullModel
+from tpviz.runtime.reference import FullModel
 
 
 def _digest(directory) -> dict[str, str]:

@@ -12,7 +12,7 @@ import torch
 import tpviz
 from tpviz.models import FIXED_PROMPT
 from tpviz.report import load_table, plan_table
-from tpviz.runtime.strategies import fill_part
+from tpviz.strategies.reads import fill_part
 from tpviz.widgets.plan_view import issues_html
 
 from .conftest import run_cli

@@ -99,7 +99,7 @@ def test_tensorboard_lists_the_run_with_a_worker_per_rank(profiled):
 
 def test_profiling_off_puts_no_profiler_in_the_load_path():
     from tpviz.profiling import no_span
-    from tpviz.runtime.strategies import LoadContext
+    from tpviz.runtime.executor import LoadContext
 
     assert LoadContext.__dataclass_fields__["span"].default is no_span
 

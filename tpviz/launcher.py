@@ -405,7 +405,7 @@ class LoadJob:
         """Logits of the fixed prompt from the sharded model against a single-process model
         built from the same checkpoint (or the same seed); stored in `result["verify"]`."""
         from .checkpoint import Checkpoint
-        from .runtime.strategies import FullModel
+        from .runtime.reference import FullModel
 
         config = read_config(self.plan.source)
         adapter = get_adapter(config, self.plan.model, self.plan.source)

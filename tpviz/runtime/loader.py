@@ -24,20 +24,12 @@ from ..events import Done, Phase
 from ..models import ModelAdapter, get_adapter, prompt_ids, read_config
 from ..plan import STRATEGIES, Ledger, ResolvedPlan, forecast, resolve_plan
 from ..profiling import PHASE_PREFIX, rank_profiler
+from ..strategies.reads import fill_part
+from .executor import LoadContext, LoadFailure
 from .memory import MemorySampler, PeakRss
 from .parallelize import apply_styles, leftover_meta, local_of, lookup, shard_report
+from .reference import FullModel, plan_skeleton
 from .sink import EventSink
-from .strategies import (
-    FullModel,
-    LoadContext,
-    LoadFailure,
-    fill_part,
-    init_sliced,
-    load_rank0_broadcast,
-    load_replicated,
-    load_sliced,
-    plan_skeleton,
-)
 
 SLICED_INIT_NOTE = (
     "sliced draws each shard on its own rank, so its shards cannot equal a single-process "
@@ -252,19 +244,9 @@ def _open_checkpoint(plan: ResolvedPlan) -> Checkpoint:
 
 
 def _run_strategy(ctx: LoadContext, options: LoadOptions, config: dict) -> None:
-    if options.init == "checkpoint":
-        {
-            "sliced": load_sliced,
-            "rank0_broadcast": load_rank0_broadcast,
-            "replicated": load_replicated,
-        }[options.strategy](ctx)
-    elif options.strategy == "sliced":
-        init_sliced(ctx)
-    elif options.strategy == "replicated":
-        load_replicated(ctx, FullModel(ctx.plan, ctx.adapter, config, ctx.seed))
-    else:
-        reference = FullModel(ctx.plan, ctx.adapter, config, ctx.seed) if ctx.rank == 0 else None
-        load_rank0_broadcast(ctx, reference)
+    ctx.init = options.init
+    ctx.make_reference = lambda: FullModel(ctx.plan, ctx.adapter, config, ctx.seed)
+    STRATEGIES[options.strategy](ctx)
 
 
 def _checksum(tensor: torch.Tensor) -> int:

@@ -13,7 +13,7 @@ import psutil
 import torch
 
 from ..events import Memory
-from ..plan import Ledger
+from ..strategies import Ledger
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
 PREFAULT_MIN_BYTES = 1 << 20

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from ..events import Error, Phase
 from ..plan import ResolvedPlan
 from .channel import Channel
+from .executor import LoadFailure
 from .loader import LoadOptions, ShardedModel, load_in_group, rank_device
 from .sink import EventSink
-from .strategies import LoadFailure
 
 
 @dataclass

@@ -1,0 +1,94 @@
+"""The unsharded model: the single-process reference, and the source of random
+initialisation for `replicated` and `rank0_broadcast`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ..checkpoint import BlockReader, Checkpoint, torch_dtype
+from ..models import ModelAdapter, build_skeleton
+from ..plan import ResolvedPlan, TensorPlan
+from ..strategies.reads import whole_reads
+from .executor import LoadContext, read_into
+from .parallelize import owner_of
+
+
+def plan_skeleton(
+    plan: ResolvedPlan, adapter: ModelAdapter, config: dict, device: torch.device
+) -> nn.Module:
+    """The meta skeleton with every tensor in the plan's dtype and the computed buffers made
+    for real on `device`. Computed buffers (rotary caches) keep the dtype the model class gives
+    them: casting the skeleton first would compute them in a 16-bit target dtype, where
+    transformers keeps them in float32."""
+    model = build_skeleton(adapter, config).to(torch_dtype(plan.dtype))
+    for t in plan.params:
+        if t.origin == "computed":
+            owner, leaf = owner_of(model, t.name)
+            owner._buffers[leaf] = owner._buffers[leaf].to(torch_dtype(t.dtype))
+    adapter.compute_buffers(model, device)
+    return model
+
+
+class FullModel:
+    """An unsharded model following a plan's tensors: the single-process reference, and the
+    source of random initialisation for `replicated` and `rank0_broadcast`.
+
+    Random init is: seed once, then each unit's own init in unit order. Materialising draws
+    no random numbers, so initialising unit by unit (as the strategies do) and all at once
+    (the reference) give the same tensors.
+    """
+
+    def __init__(self, plan: ResolvedPlan, adapter: ModelAdapter, config: dict, seed: int = 0):
+        self.plan = plan
+        self.adapter = adapter
+        self.model = plan_skeleton(plan, adapter, config, torch.device("cpu"))
+        torch.manual_seed(seed)
+
+    @property
+    def loaded(self) -> list[TensorPlan]:
+        return [t for t in self.plan.params if t.origin == "checkpoint"]
+
+    def materialize(
+        self, ctx: LoadContext | None, module: str | None, tensors: list[TensorPlan]
+    ) -> list[torch.Tensor]:
+        """Full CPU tensors in place of the meta ones (counted on `ctx`'s ledger when given);
+        `module`, when given, is then initialised with its own init."""
+        out = []
+        for t in tensors:
+            if ctx is not None:
+                full = ctx.empty(t.global_shape, t.dtype, "cpu")
+            else:
+                full = torch.empty(t.global_shape, dtype=torch_dtype(t.dtype))
+            self._assign(t, full)
+            out.append(full)
+        if module is not None:
+            self.adapter.init_module(self.model, self.model.get_submodule(module))
+        return out
+
+    def init_all(self) -> None:
+        for module, _ in self.plan.units():
+            self.adapter.init_module(self.model, self.model.get_submodule(module))
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Every tensor read whole from the checkpoint and cast to the plan's dtype."""
+        with BlockReader() as reader:
+            for t, full in zip(self.loaded, self.materialize(None, None, self.loaded)):
+                infos = [checkpoint.tensors[k] for k in t.checkpoint_keys]
+                if t.sources:
+                    boxes = [replace(i, shape=tuple(s.shape)) for i, s in zip(infos, t.sources)]
+                    read_into(full, whole_reads(t, cast=True), boxes, None, reader)
+                else:
+                    full.copy_(reader.read_full(infos[0]))
+
+    def dematerialize(self, tensors: list[TensorPlan]) -> None:
+        for t in tensors:
+            self._assign(t, torch.empty(t.global_shape, dtype=torch_dtype(t.dtype), device="meta"))
+
+    def _assign(self, t: TensorPlan, tensor: torch.Tensor) -> None:
+        value = tensor if t.kind == "buffer" else nn.Parameter(tensor, requires_grad=False)
+        for name in (t.name, *t.tied_to):  # tied names share one Parameter
+            owner, leaf = owner_of(self.model, name)
+            (owner._buffers if t.kind == "buffer" else owner._parameters)[leaf] = value
