@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import tpviz
+from tpviz.checkpoint import BlockReader, Checkpoint
 from tpviz.launcher import LoadJob
-from tpviz.plan import resolve_plan
+from tpviz.models import get_adapter, read_config
+from tpviz.plan import ResolvedPlan, TensorPlan, resolve_plan
+from tpviz.runtime.executor import LoadContext
 from tpviz.runtime.loader import LoadOptions
-
-STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
+from tpviz.runtime.parallelize import local_of, lookup
+from tpviz.runtime.reference import FullModel, plan_skeleton
+from tpviz.strategies import STRATEGIES, Executor, Ledger, Strategy, forecast
+from tpviz.strategies.counting import Counting
+from tpviz.strategies.executor import plan_units
 
 
 def _load_all(source, world_size):
@@ -142,3 +153,160 @@ def test_cli_load_random_init_and_compare(tmp_path, config_only, tiny, cli):
     text = compare_table(entries)
     for word in ("rank0_broadcast", "replicated", "x sliced (RSS)"):
         assert word in text
+
+
+# --- the forecast is the strategy's own steps, counted ------------------------------------------
+
+
+def unit_at_a_time(x: Executor) -> None:
+    """A strategy written for this test only: every rank makes one unit's whole tensors,
+    keeps its parts and drops the rest. No forecast code exists for it."""
+    for index, total, module, tensors in x.units():
+        with x.unit(index, total, module, tensors):
+            fulls = x.full_tensors(module, tensors)
+            for t, full in zip(tensors, fulls):
+                x.install(t, x.fill(x.shard(t), full, t, x.rank))
+            for t, full in zip(tensors, fulls):
+                x.free_full(t, full)
+
+
+def test_a_new_strategy_is_forecast_from_its_steps_alone(tiny, monkeypatch):
+    monkeypatch.setitem(STRATEGIES, "unit_at_a_time", unit_at_a_time)
+    plan = resolve_plan(tiny, 2)
+    fc = forecast(plan, "unit_at_a_time")
+    computed = [
+        sum(t.ranks[r].bytes for t in plan.params if t.origin == "computed") for r in (0, 1)
+    ]
+    for rank in (0, 1):  # what the steps above hold at most: kept shards, then one unit whole
+        held, peak = computed[rank], 0
+        for _, unit in plan.units():
+            whole = sum(t.source_nbytes() for t in unit)
+            peak = max(peak, held + whole + sum(t.ranks[rank].bytes for t in unit))
+            held += sum(t.ranks[rank].bytes for t in unit)
+        assert fc.peak_bytes[rank] == peak
+        assert held == plan.per_rank_bytes[rank]  # computed buffers included
+    assert fc.sent_bytes == fc.received_bytes == [0, 0]
+    with pytest.raises(ValueError, match="unknown strategy 'sliced2'.*unit_at_a_time"):
+        forecast(plan, "sliced2")
+
+
+class Traced:
+    """An executor that delegates to another and records each operation a strategy calls:
+    what it was given and returned (a tensor as its bytes, a tensor plan as its name) and the
+    ledger after it. Run over the real executor and the counting one, the records must agree."""
+
+    def __init__(self, inner: Executor):
+        self.inner = inner
+        self.trace: list[tuple] = []
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.inner, name)
+        if name in ("units", "unit") or not callable(attr):
+            return attr
+
+        def operation(*args):
+            out = attr(*args)
+            seen = (name, [_seen(a) for a in args], _seen(out), self.inner.ledger.current)
+            self.trace.append(seen)
+            return out
+
+        return operation
+
+
+def _seen(value):
+    if isinstance(value, TensorPlan):
+        return value.name
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list):
+        return [_seen(v) for v in value]
+    return value
+
+
+def real_context(plan: ResolvedPlan, rank: int, init: str, mesh: DeviceMesh) -> LoadContext:
+    """The runtime's executor for `rank` of the process group of `mesh`, as the loader
+    prepares it (without forward hooks or events)."""
+    config = read_config(plan.source)
+    adapter = get_adapter(config, plan.model, plan.source)
+    model = plan_skeleton(plan, adapter, config, torch.device("cpu"))
+    ledger = Ledger()
+    for t in plan.params:
+        if t.origin == "computed":
+            ledger.alloc(local_of(lookup(model, t.name)).nbytes)
+    cpu = torch.device("cpu")
+    ctx = LoadContext(model, plan, adapter, rank, cpu, cpu, ledger, lambda e: None, lambda: None)
+    ctx.mesh = mesh
+    ctx.init = init  # seed 0, as the counting executor has
+    ctx.make_reference = lambda: FullModel(plan, adapter, config, ctx.seed)
+    if init == "checkpoint":
+        ctx.checkpoint = Checkpoint.open(plan.source)
+    return ctx
+
+
+def traces_on_rank(plan: ResolvedPlan, rank: int, runs: list[tuple[Strategy, str]]) -> list:
+    """(real trace, real peak) of each (strategy, init) of `runs` on this rank."""
+    out, mesh = [], init_device_mesh("cpu", (plan.world_size,))
+    for strategy, init in runs:
+        ctx = real_context(plan, rank, init, mesh)
+        traced = Traced(ctx)
+        with BlockReader() as ctx.reader:
+            strategy(traced)
+        out.append((traced.trace, ctx.ledger.peak))
+    return out
+
+
+def counted(plan: ResolvedPlan, rank: int, strategy: Strategy, init: str) -> tuple[list, int]:
+    counting = Counting(plan, rank, "cpu", init, plan_units(plan))
+    traced = Traced(counting)
+    strategy(traced)
+    return traced.trace, counting.ledger.peak
+
+
+RUNS = [
+    (s, init) for s in [*STRATEGIES.values(), unit_at_a_time] for init in ("checkpoint", "random")
+]
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])  # bfloat16: reads staged through buffers
+def test_the_runtime_and_the_forecast_see_the_same_steps(tiny, tmp_path, monkeypatch, dtype):
+    plan = resolve_plan(tiny, 1, dtype=dtype)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
+    try:
+        real = traces_on_rank(plan, 0, RUNS)
+    finally:
+        dist.destroy_process_group()
+    for (strategy, init), (trace, peak) in zip(RUNS, real):
+        assert (trace, peak) == counted(plan, 0, strategy, init), (strategy.__module__, init)
+        if strategy in STRATEGIES.values():
+            name = next(n for n, s in STRATEGIES.items() if s is strategy)
+            assert peak == forecast(plan, name, "cpu", init).peak_bytes[0]
+
+
+def _rank_main(plan: ResolvedPlan, rank: int, rendezvous: str, queue) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=plan.world_size)
+    try:
+        queue.put((rank, traces_on_rank(plan, rank, RUNS)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_rank_sees_the_steps_it_was_forecast_with_sends_and_views(uneven3, tmp_path):
+    plan = resolve_plan(uneven3, 3)  # uneven parts: some sent as views, some through copies
+    spawn = mp.get_context("spawn")
+    queue = spawn.Queue()
+    rendezvous = f"file://{tmp_path}/rdv"
+    procs = [spawn.Process(target=_rank_main, args=(plan, r, rendezvous, queue)) for r in range(3)]
+    for p in procs:
+        p.start()
+    real = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for rank in range(3):
+        for (strategy, init), got in zip(RUNS, real[rank]):
+            assert got == counted(plan, rank, strategy, init), (strategy.__module__, init, rank)
+    rank0_broadcast = real[0][RUNS.index((STRATEGIES["rank0_broadcast"], "checkpoint"))][0]
+    assert {"view", "part", "send", "broadcast"} <= {step[0] for step in rank0_broadcast}
