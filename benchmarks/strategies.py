@@ -32,8 +32,7 @@ from common import gib, median, parse_args
 
 import tpviz
 from tpviz.profiling import no_span
-
-STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
+from tpviz.strategies import STRATEGIES
 
 
 def copy_bandwidth(nbytes: int, queue) -> None:
