@@ -243,28 +243,28 @@ def real_context(plan: ResolvedPlan, rank: int, init: str, mesh: DeviceMesh) -> 
     return ctx
 
 
-def traces_on_rank(plan: ResolvedPlan, rank: int, runs: list[tuple[Strategy, str]]) -> list:
-    """(real trace, real peak) of each (strategy, init) of `runs` on this rank."""
+WRITTEN: dict[str, Strategy] = {**STRATEGIES, "unit_at_a_time": unit_at_a_time}
+RUNS = [(name, init) for name in WRITTEN for init in ("checkpoint", "random")]
+
+
+def traces_on_rank(plan: ResolvedPlan, rank: int) -> list[tuple[list, int]]:
+    """(trace, ledger peak) of each of `RUNS` on this rank, run by the real executor."""
     out, mesh = [], init_device_mesh("cpu", (plan.world_size,))
-    for strategy, init in runs:
+    for name, init in RUNS:
         ctx = real_context(plan, rank, init, mesh)
         traced = Traced(ctx)
         with BlockReader() as ctx.reader:
-            strategy(traced)
+            WRITTEN[name](traced)
         out.append((traced.trace, ctx.ledger.peak))
     return out
 
 
-def counted(plan: ResolvedPlan, rank: int, strategy: Strategy, init: str) -> tuple[list, int]:
+def counted(plan: ResolvedPlan, rank: int, name: str, init: str) -> tuple[list, int]:
+    """(trace, ledger peak) of strategy `name` on `rank`, run by the counting executor."""
     counting = Counting(plan, rank, "cpu", init, plan_units(plan))
     traced = Traced(counting)
-    strategy(traced)
+    WRITTEN[name](traced)
     return traced.trace, counting.ledger.peak
-
-
-RUNS = [
-    (s, init) for s in [*STRATEGIES.values(), unit_at_a_time] for init in ("checkpoint", "random")
-]
 
 
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])  # bfloat16: reads staged through buffers
@@ -273,13 +273,12 @@ def test_the_runtime_and_the_forecast_see_the_same_steps(tiny, tmp_path, monkeyp
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
     try:
-        real = traces_on_rank(plan, 0, RUNS)
+        real = traces_on_rank(plan, 0)
     finally:
         dist.destroy_process_group()
-    for (strategy, init), (trace, peak) in zip(RUNS, real):
-        assert (trace, peak) == counted(plan, 0, strategy, init), (strategy.__module__, init)
-        if strategy in STRATEGIES.values():
-            name = next(n for n, s in STRATEGIES.items() if s is strategy)
+    for (name, init), (trace, peak) in zip(RUNS, real):
+        assert (trace, peak) == counted(plan, 0, name, init), (name, init)
+        if name in STRATEGIES:
             assert peak == forecast(plan, name, "cpu", init).peak_bytes[0]
 
 
@@ -287,7 +286,7 @@ def _rank_main(plan: ResolvedPlan, rank: int, rendezvous: str, queue) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=plan.world_size)
     try:
-        queue.put((rank, traces_on_rank(plan, rank, RUNS)))
+        queue.put((rank, traces_on_rank(plan, rank)))
     finally:
         dist.destroy_process_group()
 
@@ -299,14 +298,20 @@ def test_every_rank_sees_the_steps_it_was_forecast_with_sends_and_views(uneven3,
     queue = spawn.Queue()
     rendezvous = f"file://{tmp_path}/rdv"
     procs = [spawn.Process(target=_rank_main, args=(plan, r, rendezvous, queue)) for r in range(3)]
-    for p in procs:
-        p.start()
-    real = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    try:
+        for p in procs:
+            p.start()
+        real = dict(queue.get(timeout=300) for _ in procs)
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    finally:  # a rank that failed leaves the others waiting in a collective
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     for rank in range(3):
-        for (strategy, init), got in zip(RUNS, real[rank]):
-            assert got == counted(plan, rank, strategy, init), (strategy.__module__, init, rank)
-    rank0_broadcast = real[0][RUNS.index((STRATEGIES["rank0_broadcast"], "checkpoint"))][0]
+        for (name, init), got in zip(RUNS, real[rank]):
+            assert got == counted(plan, rank, name, init), (name, init, rank)
+    rank0_broadcast = real[0][RUNS.index(("rank0_broadcast", "checkpoint"))][0]
     assert {"view", "part", "send", "broadcast"} <= {step[0] for step in rank0_broadcast}
