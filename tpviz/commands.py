@@ -53,4 +53,4 @@ class CommandChannel:
     def shutdown(self) -> None:
         """Ask every rank to leave its command loop."""
         with contextlib.suppress(OSError):
-            self._ranks.send_all(Command(CommandName.SHUTDOWN, -1))
+            self._ranks.send_all(Command(CommandName.SHUTDOWN, next(self._ids)))
