@@ -11,7 +11,18 @@ import tpviz
 PACKAGE = Path(tpviz.__file__).parent
 
 # The edges: processes, widgets, CLI and text/HTML output depend inward, never the reverse.
-EDGES = ("runtime", "launcher", "widgets", "cli", "report", "progress")
+EDGES = (
+    "runtime",
+    "launcher",
+    "job",
+    "processes",
+    "commands",
+    "widgets",
+    "cli",
+    "cli_parser",
+    "report",
+    "progress",
+)
 # The pure core: plan math, styles, checkpoint metadata, formatting, model skeletons.
 CORE = (
     "plan",
@@ -29,6 +40,11 @@ CORE = (
     "capacity",
     "models",
     "strategies",
+    "results",
+    "messages",
+    "eventlog",
+    "tracking",
+    "liveness",
 )
 
 # Known exceptions, each an edge that closes a cycle; keep this list empty. The strategies take

@@ -42,3 +42,12 @@ def test_version(capsys):
         main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == f"tpviz {tpviz.__version__}"
+
+
+def test_strategy_choices_are_the_registry():
+    """The CLI spells the names out so that `--help` stays free of torch; they must be the
+    registry's, in its order."""
+    from tpviz.cli_parser import STRATEGIES as cli_names
+    from tpviz.strategies import STRATEGIES
+
+    assert cli_names == tuple(STRATEGIES)

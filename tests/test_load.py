@@ -6,6 +6,7 @@ One loaded 2-rank job is shared by most assertions; other world sizes each load 
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 import tpviz
 from tpviz.events import Done, Memory, Phase, UnitDone, UnitStart
 from tpviz.launcher import LoadJob
+from tpviz.messages import Beat
 from tpviz.models import FIXED_PROMPT
 from tpviz.plan import resolve_plan
 
@@ -56,6 +58,32 @@ def test_result_follows_the_load_json_contract(job2):
     assert r["startup_seconds"] > 0 and r["load_seconds"] > 0
     assert all(RANK_KEYS <= set(rank) for rank in r["ranks"])
     assert [rank["rank"] for rank in r["ranks"]] == [0, 1]
+
+
+def test_startup_phases_name_each_phase_and_add_up_to_the_startup(job2):
+    r = job2.result
+    phases = r["startup_phases"]
+    assert list(phases) == ["process_start", "imports", "process_group", "skeleton"]
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert sum(phases.values()) <= r["startup_seconds"] + 1e-9
+    assert phases["imports"] > 0  # torch is imported in every rank: never free
+
+
+def test_result_is_typed_and_its_json_is_the_mapping(job2):
+    result = job2.result
+    assert result.ranks[0].param_bytes == result["ranks"][0]["param_bytes"]
+    assert json.loads(json.dumps(result.to_dict())) == dict(result)
+    assert list(result.to_dict())[:9] == [
+        "strategy",
+        "world_size",
+        "dtype",
+        "device",
+        "init",
+        "source",
+        "startup_seconds",
+        "startup_phases",
+        "load_seconds",
+    ]
 
 
 def test_param_bytes_equal_the_plan_exactly(job2):
@@ -187,7 +215,7 @@ def test_a_thousand_modules_do_not_flood_the_caller(checkpoints, monkeypatch):
     handle = LoadJob._handle
 
     def counting(job, rank, message):
-        received[id(job)] += message[0] != "beat"  # heartbeats are not event traffic
+        received[id(job)] += not isinstance(message, Beat)  # heartbeats are not event traffic
         return handle(job, rank, message)
 
     monkeypatch.setattr(LoadJob, "_handle", counting)

@@ -124,7 +124,7 @@ def test_an_events_file_on_a_full_disk_is_reported_not_raised(tmp_path):
     sink.emit(Phase(0, 1.0, name="starting"))
     sink.emit(Done(0, 2.0, result={"rank": 0}))
     sink.close()
-    delivered = [e for _, batch in sent for e in batch]
+    delivered = [e for batch in sent for e in batch.events]
     assert [e.type for e in delivered] == ["phase", "done"]  # the viewers still get them
     (error,) = delivered[1].result["output_errors"]
     assert error["path"] == str(events) and "rank0.jsonl: No space left" in error["message"]

@@ -21,6 +21,8 @@ _EXPORTS = {
     "compare": "tpviz.launcher",
     "LoadJob": "tpviz.launcher",
     "LoadError": "tpviz.launcher",
+    "LoadResult": "tpviz.results",
+    "RankResult": "tpviz.results",
     "load_sharded": "tpviz.runtime.loader",
     "PlanView": "tpviz.widgets.plan_view",
     "LoadMonitor": "tpviz.widgets.monitor",

@@ -14,15 +14,17 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from .cli_parser import STRATEGIES, build_parser
+
+if TYPE_CHECKING:
+    from .results import LoadResult
+
+__all__ = ["STRATEGIES", "build_parser", "main"]
 
 INVALID_INPUT = 2
 FAILURE = 1
-
-
-SOURCE_HELP = "checkpoint dir (Hugging Face layout), or a dir holding only config.json"
-STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
-JSON_HELP = "print the result as JSON on stdout (also on failure, then with errors)"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -56,125 +58,6 @@ def _stop_signals_interrupt() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-def _shared(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
-    p.add_argument("--plan", help="plan file: {pattern: style} or transformers' tp_plan form")
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="target dtype (default: the checkpoint's)",
-    )
-    p.add_argument("--model", default="auto", help="auto, builtin, hf or PKG.MOD:FN (default auto)")
-    p.add_argument("--json", action="store_true", help=JSON_HELP)
-
-
-def _load_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--device",
-        choices=["cpu", "cuda"],
-        default="cpu",
-        help="cpu: gloo ranks; cuda: one GPU per rank, nccl (default cpu)",
-    )
-    p.add_argument(
-        "--verify",
-        action="store_true",
-        help="compare logits on a fixed prompt with a single-process reference",
-    )
-    p.add_argument(
-        "--init",
-        choices=["checkpoint", "random"],
-        default="checkpoint",
-        help="random: initialise from --seed instead of loading",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of --init random (default 0)")
-    p.add_argument("--profile", metavar="DIR", help="write torch.profiler traces for TensorBoard")
-    p.add_argument(
-        "--profile-forward",
-        action="store_true",
-        help="with --profile, also profile one forward of the fixed prompt",
-    )
-    p.add_argument("--events", metavar="DIR", help="write each rank's events as rank{r}.jsonl")
-    p.add_argument("--report", metavar="FILE.html", help="write a self-contained HTML report")
-    p.add_argument("--timeout", type=float, help="fail if loading takes longer (seconds)")
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="fail if a rank stays silent (frozen) this long (default 30)",
-    )
-    p.add_argument(
-        "--force", action="store_true", help="load even if the memory forecast says it will not fit"
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-
-    parser = argparse.ArgumentParser(prog="tpviz", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"tpviz {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("make-checkpoint", help="write a deterministic Llama-family checkpoint")
-    p.add_argument("directory", help="where to write it (created; must not hold a checkpoint)")
-    p.add_argument(
-        "--preset",
-        choices=["tiny", "small", "medium"],
-        default="tiny",
-        help="model size in float32: tiny (2.4 MiB), small (143 MiB), medium (610 MiB) "
-        "(default tiny)",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default="float32",
-        help="dtype of the stored tensors (default float32)",
-    )
-    p.add_argument(
-        "--tie-embeddings",
-        action="store_true",
-        help="share one tensor between the embedding and lm_head (no lm_head.weight stored)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    p.add_argument("--max-shard-size", type=int, help="bytes per .safetensors file")
-    for dim in ("layers", "hidden", "intermediate", "heads", "kv-heads", "vocab"):
-        p.add_argument(f"--{dim}", type=int, help=f"override the preset's {dim}")
-    p.add_argument("--json", action="store_true", help=JSON_HELP)
-
-    p = sub.add_parser("plan", help="resolve a TP plan and show what every rank holds")
-    p.add_argument("source", help=SOURCE_HELP)
-    _shared(p)
-    p.add_argument("--full", action="store_true", help="one row per tensor (no folding)")
-
-    p = sub.add_parser("load", help="load a checkpoint on local ranks")
-    p.add_argument("source", help=SOURCE_HELP)
-    _shared(p)
-    p.add_argument(
-        "--strategy",
-        choices=STRATEGIES,
-        default="sliced",
-        help="sliced: each rank reads its own slices; rank0_broadcast: rank 0 reads and sends; "
-        "replicated: every rank loads the whole model, keeps its shards (default sliced)",
-    )
-    _load_flags(p)
-
-    p = sub.add_parser("compare", help="load with every strategy in turn and compare")
-    p.add_argument("source", help=SOURCE_HELP)
-    _shared(p)
-    _load_flags(p)
-
-    p = sub.add_parser("demo", help="make the demo checkpoint, show its plan, load it")
-    p.add_argument(
-        "--preset",
-        choices=["tiny", "small", "medium"],
-        default="small",
-        help="demo checkpoint size, made once in a cache dir (default small)",
-    )
-    p.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
-    p.add_argument("--json", action="store_true", help=JSON_HELP)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,16 +183,16 @@ def cmd_load(args: argparse.Namespace) -> int:
         args.source, args.world_size, plan, strategy=args.strategy, **_launch_kwargs(args)
     ) as job:
         result = follow(job, show=not args.json)
-    errors = list(result.get("output_errors", []))
+    errors = list(result.output_errors or [])
     if report:
         errors += _write_report(report, plan, [result], [job.events])
-    return _finish(args, result, load_table(result), errors, _succeeded(result))
+    return _finish(args, result.to_dict(), load_table(result), errors, _succeeded(result))
 
 
-def _succeeded(result: dict[str, Any]) -> bool:
-    verify_ok = (result.get("verify") or {}).get("ok") is not False
-    init_ok = (result.get("init_check") or {}).get("ok", True)
-    return result["plan_matches_shards"] and verify_ok and init_ok
+def _succeeded(result: LoadResult) -> bool:
+    verify_ok = (result.verify or {}).get("ok") is not False
+    init_ok = (result.init_check or {}).get("ok", True)
+    return bool(result.plan_matches_shards) and verify_ok and init_ok
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -321,7 +204,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     plan.raise_for_errors()
     events: list = []
 
-    def follow_labelled(job) -> dict[str, Any]:
+    def follow_labelled(job) -> LoadResult:
         # each strategy's progress names it: "[2/3] rank0_broadcast: loading on 2 ranks ..."
         label = f"[{len(events) + 1}/{len(STRATEGIES)}] {job.options.strategy}"
         result = follow(job, show=not args.json, label=label)
@@ -337,14 +220,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         follow=follow_labelled,
         **_launch_kwargs(args),
     )
-    errors = [e for r in results for e in r.get("output_errors", [])]
+    errors = [e for r in results for e in r.output_errors or []]
     if report:
         errors += _write_report(report, plan, results, events)
     text = "\n\n".join(
         [*(load_table(r) for r in results), "comparison:\n" + compare_table(results)]
     )
     ok = all(_succeeded(r) for r in results)
-    return _finish(args, {"strategies": results}, text, errors, ok)
+    return _finish(args, {"strategies": [r.to_dict() for r in results]}, text, errors, ok)
 
 
 def _finish(
@@ -377,7 +260,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"plan for {source}:\n{plan_table(plan)}\n")
     with launch(source, args.world_size, plan, verify=True) as job:
         result = follow(job, show=not args.json)
-    _emit(args, result, load_table(result))
+    _emit(args, result.to_dict(), load_table(result))
     return 0 if _succeeded(result) else FAILURE
 
 
@@ -397,7 +280,7 @@ def _check_report(args: argparse.Namespace) -> str | None:
     return check_output_file(args.report, "report", args.source) if args.report else None
 
 
-def _write_report(path: str, plan, results: list[dict[str, Any]], events: list) -> list[dict]:
+def _write_report(path: str, plan, results: list[LoadResult], events: list) -> list[dict]:
     """Write the report; its failure, as an output error (nothing is raised)."""
     from .outputs import OutputWriteError, write_error
     from .report import write_html_report

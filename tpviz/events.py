@@ -9,10 +9,45 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar
 
 VERSION = 1
+LAUNCHER_RANK = -1  # the `rank` of the events the launcher itself makes (its job's states)
+
+
+class RankPhase(StrEnum):
+    """The `name` of a rank's `phase` events, in the order a rank passes them."""
+
+    STARTING = "starting"  # the rank's imports are done
+    SKELETON = "skeleton"  # the process group is up; building the meta skeleton
+    READY = "ready"  # skeleton and styles in place: waiting for the others to start loading
+    LOADING = "loading"
+    CHECKING = "checking"  # real shards against the plan
+    LOADED = "loaded"
+
+
+class JobState(StrEnum):
+    """A LoadJob's state; each change is also a `phase` event of rank LAUNCHER_RANK."""
+
+    STARTING = "starting"
+    VERIFYING = "verifying"
+    LOADED = "loaded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+    @property
+    def ended(self) -> bool:
+        """No more commands can run: the ranks are gone or going."""
+        return self in (JobState.FAILED, JobState.CANCELLED, JobState.CLOSING, JobState.CLOSED)
+
+    @property
+    def finished(self) -> bool:
+        """The load itself is over, one way or another."""
+        return self is JobState.LOADED or self.ended
 
 
 @dataclass

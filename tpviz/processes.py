@@ -1,8 +1,10 @@
 """The ranks' processes, pipes and private temp dir, with one owner for closing them.
 
-The launcher's pump thread reads the pipes and waits on the processes, so it is also the one
-that closes them (`close`); other threads ask it to (`request_close`) and wait for it. Closing
-a pipe from another thread while the pump is inside `recv()` breaks the pump.
+One pump thread per job multiplexes the ranks' pipes and process sentinels and hands what it
+reads to the job, so a rank that fails or dies ends the whole job within a fraction of a second.
+It is also the one that closes pipes and processes (`close`); other threads ask it to
+(`request_close`) and wait for it. Closing a pipe from another thread while the pump is inside
+`recv()` breaks the pump.
 
 The temp dir (`$TMPDIR/tpviz-<pid>-*`: the rendezvous file, and the ranks' own $TMPDIR) is locked
 with `flock` for as long as its launcher lives, so a later launcher can prove a dir stale (its
@@ -19,8 +21,9 @@ import shutil
 import tempfile
 import threading
 import time
-from multiprocessing.connection import Connection
-from typing import Any
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any, Protocol
 
 from .runtime.heartbeat import boot
 
@@ -49,6 +52,17 @@ def remove_stale_workdirs() -> None:
             pass  # its launcher is alive
         finally:
             os.close(fd)
+
+
+class Listener(Protocol):
+    """What the pump tells its job (held weakly, so that an abandoned job is collected and its
+    ranks ended): a rank was heard, what it sent, a tick to check the ranks' health, and the
+    pump's own failure (a bug there must not leave callers waiting for replies forever)."""
+
+    def _heard(self, rank: int) -> None: ...
+    def _handle(self, rank: int, message: Any) -> None: ...
+    def _check(self) -> None: ...
+    def _pump_failed(self, error: Exception) -> None: ...
 
 
 class Ranks:
@@ -83,6 +97,12 @@ class Ranks:
             child_end.close()
             self.procs.append(proc)
             self.conns.append(parent_end)
+
+    def start_pump(self, listener: Listener) -> None:
+        self.pump = threading.Thread(
+            target=_pump, args=(weakref.ref(listener), self), name="tpviz-pump", daemon=True
+        )
+        self.pump.start()
 
     def send_all(self, message: Any) -> bool:
         """Send to every rank; False once closed. OSError if a rank's pipe broke."""
@@ -130,3 +150,37 @@ class Ranks:
             shutil.rmtree(self.workdir, ignore_errors=True)
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _pump(ref: weakref.ref[Listener], ranks: Ranks) -> None:
+    """Multiplex the ranks' pipes and sentinels until asked to stop, then close them all (the
+    pump is their one owner)."""
+    try:
+        while not ranks.stop.is_set():
+            listener = ref()
+            if listener is None:
+                return
+            _pump_once(listener, ranks)
+            del listener
+    except Exception as e:
+        listener = ref()
+        if listener is not None:
+            listener._pump_failed(e)
+        raise
+    finally:
+        ranks.close()
+
+
+def _pump_once(listener: Listener, ranks: Ranks) -> None:
+    conns = ranks.conns
+    ready = wait(conns + [p.sentinel for p in ranks.procs], timeout=0.1)
+    for item in ready:
+        if item in conns:
+            rank = conns.index(item)
+            listener._heard(rank)  # a readable pipe is a live (or ended) rank
+            try:
+                message = pickle.loads(item.recv_bytes())  # plain pickles: runtime/channel
+            except (EOFError, OSError):
+                continue  # the rank ended; its sentinel says how
+            listener._handle(rank, message)
+    listener._check()

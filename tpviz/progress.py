@@ -9,9 +9,11 @@ import time
 from typing import Any
 
 from .format import human_bytes
+from .job import LoadJob
+from .results import LoadResult
 
 
-def follow(job, show: bool, label: str = "") -> dict[str, Any]:
+def follow(job: LoadJob, show: bool, label: str = "") -> LoadResult:
     """Wait for the job and return its result, drawing progress on stderr when `show`."""
     if not show:
         return job.wait()
@@ -20,7 +22,7 @@ def follow(job, show: bool, label: str = "") -> dict[str, Any]:
     return _follow_lines(job, label)
 
 
-def _follow_bars(job, label: str) -> dict[str, Any]:
+def _follow_bars(job: LoadJob, label: str) -> LoadResult:
     from tqdm import tqdm
 
     prefix = f"{label} " if label else ""
@@ -60,7 +62,7 @@ def _follow_bars(job, label: str) -> dict[str, Any]:
             bar.close()
 
 
-def _follow_lines(job, label: str) -> dict[str, Any]:
+def _follow_lines(job: LoadJob, label: str) -> LoadResult:
     """A line per rank and phase; with a label, a line per phase every rank has reached."""
     seen: dict[Any, str] = {}
     while True:
@@ -75,7 +77,7 @@ def _follow_lines(job, label: str) -> dict[str, Any]:
                     print(f"{line} at {time.strftime('%H:%M:%S')}", file=sys.stderr)
 
 
-def _phase_lines(job, label: str) -> dict[Any, str]:
+def _phase_lines(job: LoadJob, label: str) -> dict[Any, str]:
     progress = job.progress
     if not label:
         return {

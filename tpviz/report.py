@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -12,6 +12,7 @@ from . import styles
 from .format import fold_layers, human_bytes, shape_text, verdict
 from .outputs import write_text
 from .plan import ResolvedPlan
+from .results import LoadResult
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
@@ -101,75 +102,79 @@ def _unusable(t) -> bool:
     return False
 
 
-def load_table(result: dict[str, Any]) -> str:
-    """Per-rank figures of one load result."""
-    headers = [
-        "rank",
-        "seconds",
-        "params",
-        "planned",
-        "peak RSS +",
-        "peak tensors",
-        "forecast peak",
-        "sent",
-        "received",
-    ]
+LOAD_HEADERS = [
+    "rank",
+    "seconds",
+    "params",
+    "planned",
+    "peak RSS +",
+    "peak tensors",
+    "forecast peak",
+    "sent",
+    "received",
+]
+
+
+def load_table(result: Mapping[str, Any]) -> str:
+    """Per-rank figures of one load result (a LoadResult, or its JSON)."""
+    result = LoadResult.of(result)
     rows = [
         [
-            r["rank"],
-            f"{r['seconds']:.2f}",
-            human_bytes(r["param_bytes"]),
-            human_bytes(r["planned_bytes"]),
-            human_bytes(r["peak_rss_bytes"]),
-            human_bytes(r["peak_tensor_bytes"]),
-            human_bytes(r["forecast_peak_bytes"]),
-            human_bytes(r["bytes_sent"]),
-            human_bytes(r["bytes_received"]),
+            r.rank,
+            f"{r.seconds:.2f}",
+            human_bytes(r.param_bytes),
+            human_bytes(r.planned_bytes),
+            human_bytes(r.peak_rss_bytes),
+            human_bytes(r.peak_tensor_bytes),
+            human_bytes(r.forecast_peak_bytes),
+            human_bytes(r.bytes_sent),
+            human_bytes(r.bytes_received),
         ]
-        for r in result["ranks"]
+        for r in result.ranks
     ]
     lines = [
-        f"{result['strategy']} on {result['world_size']} {result['device']} rank(s), "
-        f"{result['dtype']}: startup {result['startup_seconds']:.2f} s, load "
-        f"{result['load_seconds']:.2f} s, plan matches shards: "
-        f"{'yes' if result['plan_matches_shards'] else 'NO'}",
-        table(headers, rows, right=range(1, len(headers))),
+        f"{result.strategy} on {result.world_size} {result.device} rank(s), "
+        f"{result.dtype}: startup {result.startup_seconds:.2f} s, load "
+        f"{result.load_seconds:.2f} s, plan matches shards: "
+        f"{'yes' if result.plan_matches_shards else 'NO'}",
+        table(LOAD_HEADERS, rows, right=range(1, len(LOAD_HEADERS))),
         "peak RSS + is resident-set growth during loading; it counts mmap'd file pages too.",
-        *(f"warning [{w['code']}]: {w['message']}" for w in result.get("warnings", [])),
+        *(f"warning [{w['code']}]: {w['message']}" for w in result.warnings or []),
+        *_verify_lines(result.verify),
+        *_init_check_lines(result.init_check),
     ]
-    verify = result.get("verify")
-    if verify:
-        outcome = verdict(verify.get("ok"))
-        if "max_abs_diff" in verify:
-            lines.append(
-                f"verify: max |logits - reference| = {verify['max_abs_diff']:.3g} "
-                f"(tolerance {verify['tolerance']:g}): {outcome}"
-            )
-        else:
-            lines.append(f"verify: {outcome}: {verify.get('error')}")
-        if verify.get("note"):
-            lines.append(f"  {verify['note']}")
-    check = result.get("init_check")
-    if check:
-        lines.append(
-            f"random init (seed {check['seed']}): replicated tensors agree across ranks: "
-            f"{'yes' if check['replicated_consistent'] else 'NO ' + str(check['inconsistent'])}"
-        )
-        if check["matches_single_process"] is None:
-            lines.append(f"  {check.get('note', '')}")
-        else:
-            lines.append(
-                "  equal to a single-process init with the same seed: "
-                + (
-                    "yes"
-                    if check["matches_single_process"]
-                    else f"NO, e.g. {check['mismatched'][:3]}"
-                )
-            )
-    profile = result.get("profile")
-    if profile:
-        lines += _profile_lines(profile)
+    if result.profile:
+        lines += _profile_lines(result.profile)
     return "\n".join(lines)
+
+
+def _verify_lines(verify: dict[str, Any] | None) -> list[str]:
+    if not verify:
+        return []
+    outcome = verdict(verify.get("ok"))
+    if "max_abs_diff" in verify:
+        lines = [
+            f"verify: max |logits - reference| = {verify['max_abs_diff']:.3g} "
+            f"(tolerance {verify['tolerance']:g}): {outcome}"
+        ]
+    else:
+        lines = [f"verify: {outcome}: {verify.get('error')}"]
+    if verify.get("note"):
+        lines.append(f"  {verify['note']}")
+    return lines
+
+
+def _init_check_lines(check: dict[str, Any] | None) -> list[str]:
+    if not check:
+        return []
+    agree = "yes" if check["replicated_consistent"] else "NO " + str(check["inconsistent"])
+    lines = [f"random init (seed {check['seed']}): replicated tensors agree across ranks: {agree}"]
+    if check["matches_single_process"] is None:
+        lines.append(f"  {check.get('note', '')}")
+    else:
+        same = "yes" if check["matches_single_process"] else f"NO, e.g. {check['mismatched'][:3]}"
+        lines.append(f"  equal to a single-process init with the same seed: {same}")
+    return lines
 
 
 def _profile_lines(profile: dict[str, Any], top: int = 3) -> list[str]:
@@ -189,7 +194,7 @@ def _profile_lines(profile: dict[str, Any], top: int = 3) -> list[str]:
     return lines
 
 
-def compare_table(results: list[dict[str, Any]]) -> str:
+def compare_table(results: Sequence[Mapping[str, Any]]) -> str:
     headers = [
         "strategy",
         "rank",
@@ -202,18 +207,18 @@ def compare_table(results: list[dict[str, Any]]) -> str:
         "x sliced (RSS)",
     ]
     rows = []
-    for res in results:
-        for r in res["ranks"]:
-            ratio = r.get("ratio_to_sliced", {})
+    for res in map(LoadResult.of, results):
+        for r in res.ranks:
+            ratio = r.ratio_to_sliced or {}
             rows.append(
                 [
-                    res["strategy"],
-                    r["rank"],
-                    f"{r['seconds']:.2f}",
-                    human_bytes(r["peak_rss_bytes"]),
-                    human_bytes(r["peak_tensor_bytes"]),
-                    human_bytes(r["bytes_sent"]),
-                    human_bytes(r["bytes_received"]),
+                    res.strategy,
+                    r.rank,
+                    f"{r.seconds:.2f}",
+                    human_bytes(r.peak_rss_bytes),
+                    human_bytes(r.peak_tensor_bytes),
+                    human_bytes(r.bytes_sent),
+                    human_bytes(r.bytes_received),
                     _ratio(ratio.get("seconds")),
                     _ratio(ratio.get("peak_rss_bytes")),
                 ]
@@ -276,16 +281,19 @@ def plan_parts(plan: ResolvedPlan, tensor: str | None = None) -> list[Any]:
     ]
 
 
-def load_parts(result: dict[str, Any] | None, run: Any = None, measure: str | None = None) -> list:
+def load_parts(
+    result: Mapping[str, Any] | None, run: Any = None, measure: str | None = None
+) -> list:
     """One load: memory over time from its `run` (a `figures.MemoryRun`), or without one the
     per-rank peaks beside the forecasts; then the summary table. `result` is None while the
     load is still running."""
     from .widgets import figures
 
-    label = run.label if run is not None else (result or {}).get("strategy", "load")
+    result = LoadResult.of(result) if result is not None else None
+    label = run.label if run is not None else result.strategy if result else "load"
     parts: list[Any] = [f"<h2>Load: {escape(label)}</h2>"]
     if run is not None:
-        device = (result or {}).get("device", "cpu")
+        device = result.device if result and result.device else "cpu"
         parts.append(figures.memory_figure([run], measure or figures.default_measure(device)))
     elif result is not None:
         parts.append(figures.peaks_figure([result]))
@@ -295,7 +303,7 @@ def load_parts(result: dict[str, Any] | None, run: Any = None, measure: str | No
 
 def html_report(
     plan: ResolvedPlan,
-    results: Sequence[dict[str, Any]],
+    results: Sequence[Mapping[str, Any]],
     events: Sequence[Sequence[Any] | None] | None = None,
     *,
     tensor: str | None = None,
@@ -305,6 +313,7 @@ def html_report(
     `results[i]` and draw its memory over time); several loads are also overlaid."""
     from .widgets import figures
 
+    results = [LoadResult.of(r) for r in results]
     runs = []
     for i, result in enumerate(results):
         evts = events[i] if events and i < len(events) else None
@@ -313,10 +322,10 @@ def html_report(
             continue
         run = figures.memory_run(
             plan,
-            result["strategy"],
-            result["strategy"],
-            result.get("device", "cpu"),
-            result.get("init", "checkpoint"),
+            result.strategy,
+            result.strategy,
+            result.device or "cpu",
+            result.init or "checkpoint",
             color_offset=i * plan.world_size,
         )
         run.series.add(evts)
@@ -326,7 +335,7 @@ def html_report(
         parts.append("<h2>All loads</h2>")
         drawn = [r for r in runs if r is not None]
         if drawn:
-            device = results[0].get("device", "cpu")
+            device = results[0].device or "cpu"
             parts.append(figures.memory_figure(drawn, figures.default_measure(device)))
         parts.append(figures.peaks_figure(results))
     for result, run in zip(results, runs):
@@ -337,7 +346,7 @@ def html_report(
 def write_html_report(
     path: str | os.PathLike,
     plan: ResolvedPlan,
-    results: Sequence[dict[str, Any]],
+    results: Sequence[Mapping[str, Any]],
     events: Sequence[Sequence[Any] | None] | None = None,
 ) -> Path:
     """Write `html_report(plan, results, events)` to `path`, whole or not at all (a failure

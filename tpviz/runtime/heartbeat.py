@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from ..messages import Beat
 from .channel import ORPHANED, Channel
 
 PARENT_POLL_SECONDS = 0.2
@@ -45,7 +46,7 @@ def boot(
 
     def heartbeat() -> None:  # silence means frozen: the launcher ends the job
         while True:
-            channel.send(("beat",))
+            channel.send(Beat())
             time.sleep(beat)
 
     _daemon("tpviz-parent-watch", watch_parent)

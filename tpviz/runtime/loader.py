@@ -20,10 +20,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError
-from ..events import Done, Phase
+from ..events import Done, Phase, RankPhase
 from ..models import ModelAdapter, get_adapter, prompt_ids, read_config
 from ..plan import STRATEGIES, Ledger, ResolvedPlan, forecast, resolve_plan
 from ..profiling import PHASE_PREFIX, rank_profiler
+from ..results import RankResult
 from ..strategies.reads import fill_part
 from .executor import LoadContext, LoadFailure
 from .memory import MemorySampler, PeakRss
@@ -71,7 +72,7 @@ class LoadOptions:
 
 @dataclass
 class ShardedModel:
-    """One rank's loaded model and its entry of the load result."""
+    """One rank's loaded model and its entry of the load JSON (as its `done` event sent it)."""
 
     model: nn.Module
     plan: ResolvedPlan
@@ -105,7 +106,7 @@ def load_in_group(
         raise ValueError(f"the plan is for {plan.world_size} ranks, the process group has {world}")
     options.validate(plan)
     plan.raise_for_errors()
-    sink.emit(Phase(rank, time.time(), name="skeleton"))
+    sink.emit(Phase(rank, time.time(), name=RankPhase.SKELETON))
     config = read_config(plan.source)
     ctx = _prepare(plan, config, rank, device, sink.emit)
     ctx.seed = options.seed + options.seed_skew.get(rank, 0)
@@ -123,11 +124,12 @@ def load_in_group(
         sampler.start()
         stack.callback(sampler.stop)
         measured = _measured_load(ctx, options, config, sampler, sink)
-    sink.emit(Phase(rank, time.time(), name="checking"))
-    result = _rank_result(ctx, options, measured)
+    sink.emit(Phase(rank, time.time(), name=RankPhase.CHECKING))
+    entry = _rank_result(ctx, options, measured)
     if options.init == "random":
-        result["init"] = check_random_init(ctx, options, config)
-    sink.emit(Phase(rank, time.time(), name="loaded"))
+        entry.init = check_random_init(ctx, options, config)
+    sink.emit(Phase(rank, time.time(), name=RankPhase.LOADED))
+    result = entry.to_dict()
     sink.emit(Done(rank, time.time(), result=result))
     return ShardedModel(ctx.model, plan, ctx.adapter, rank, device, result)
 
@@ -177,13 +179,13 @@ def _measured_load(
     sink: EventSink,
 ) -> _Measured:
     rank, device = ctx.rank, ctx.device
-    sink.emit(Phase(rank, time.time(), name="ready"))
+    sink.emit(Phase(rank, time.time(), name=RankPhase.READY))
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sampler.peak = peak = PeakRss()
     sampler.sample()  # the baseline sample viewers measure growth from
-    sink.emit(Phase(rank, time.time(), name="loading"))
+    sink.emit(Phase(rank, time.time(), name=RankPhase.LOADING))
     with rank_profiler(options.profile_dir, rank, device) as profiler:
         if profiler is not None:
             ctx.span = profiler.span
@@ -201,34 +203,32 @@ def _measured_load(
     return _Measured(seconds, load_seconds, peak, profiler.summary() if profiler else None)
 
 
-def _rank_result(ctx: LoadContext, options: LoadOptions, measured: _Measured) -> dict[str, Any]:
+def _rank_result(ctx: LoadContext, options: LoadOptions, measured: _Measured) -> RankResult:
     """This rank's entry of the load JSON: real shards checked against the plan."""
     plan, rank = ctx.plan, ctx.rank
     rows = shard_report(ctx.model, plan, rank)
     mismatches = [r["name"] for r in rows if not r["matches"]] + leftover_meta(ctx.model)
     fc = forecast(plan, options.strategy, ctx.device.type, options.init)
-    result: dict[str, Any] = {
-        "rank": rank,
-        "seconds": measured.seconds,
-        "load_seconds": measured.load_seconds,
-        "param_bytes": sum(r["bytes"] for r in rows),
-        "planned_bytes": plan.per_rank_bytes[rank],
-        "peak_rss_bytes": measured.peak.growth(),
-        "rss_baseline_bytes": measured.peak.baseline,
-        "peak_tensor_bytes": ctx.ledger.peak,
-        "forecast_peak_bytes": fc.peak_bytes[rank],
-        "bytes_sent": ctx.traffic.sent,
-        "bytes_received": ctx.traffic.received,
-        "forecast_bytes_sent": fc.sent_bytes[rank],
-        "forecast_bytes_received": fc.received_bytes[rank],
-        "plan_matches_shards": not mismatches,
-        "mismatches": mismatches[:20],
-    }
-    if ctx.device.type == "cuda":
-        result["peak_cuda_allocated_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
-    if measured.profile is not None:
-        result["profile"] = measured.profile
-    return result
+    cuda = ctx.device.type == "cuda"
+    return RankResult(
+        rank=rank,
+        seconds=measured.seconds,
+        load_seconds=measured.load_seconds,
+        param_bytes=sum(r["bytes"] for r in rows),
+        planned_bytes=plan.per_rank_bytes[rank],
+        peak_rss_bytes=measured.peak.growth(),
+        rss_baseline_bytes=measured.peak.baseline,
+        peak_tensor_bytes=ctx.ledger.peak,
+        forecast_peak_bytes=fc.peak_bytes[rank],
+        bytes_sent=ctx.traffic.sent,
+        bytes_received=ctx.traffic.received,
+        forecast_bytes_sent=fc.sent_bytes[rank],
+        forecast_bytes_received=fc.received_bytes[rank],
+        plan_matches_shards=not mismatches,
+        mismatches=mismatches[:20],
+        peak_cuda_allocated_bytes=torch.cuda.max_memory_allocated(ctx.device) if cuda else None,
+        profile=measured.profile,
+    )
 
 
 def _open_checkpoint(plan: ResolvedPlan) -> Checkpoint:

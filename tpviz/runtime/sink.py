@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..events import Done, Error, Event, Phase, encode, events_file
+from ..messages import EventBatch
 from ..outputs import write_error
 
 URGENT = (Phase, Error, Done)
@@ -32,7 +33,7 @@ class EventSink:
         interval: float = 0.05,
     ):
         self.rank = rank
-        self.send = send  # delivers ("events", [Event, ...]) to the launcher
+        self.send = send  # delivers an EventBatch to the launcher
         self.interval = interval
         self.events_dir = events_dir
         self.file_error: dict[str, str] | None = None
@@ -86,7 +87,7 @@ class EventSink:
             if self._file is not None:
                 self._to_file(self._file.flush)
             if batch and self.send is not None:
-                self.send(("events", batch))
+                self.send(EventBatch(batch))
 
     def close(self) -> None:
         self.flush()

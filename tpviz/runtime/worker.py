@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..events import Error, Phase
+from ..events import Error, Phase, RankPhase
+from ..messages import Command, CommandName, Reply
 from ..plan import ResolvedPlan
 from .channel import Channel
 from .executor import LoadFailure
@@ -51,7 +52,7 @@ def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
     torch.set_num_threads(spec.threads)
     sink = EventSink(rank, channel.send, spec.events_dir)
     try:
-        sink.emit(Phase(rank, time.time(), name="starting"))
+        sink.emit(Phase(rank, time.time(), name=RankPhase.STARTING))
         device = rank_device(spec.device)
         dist.init_process_group(
             "nccl" if spec.device == "cuda" else "gloo",
@@ -89,28 +90,27 @@ def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
 
 
 def _serve(loaded: ShardedModel, channel: Channel) -> None:
-    send = channel.send
     while True:
         try:
-            command, command_id, args = channel.recv()
+            command: Command = channel.recv()
         except (EOFError, OSError):
             return
-        if command == "shutdown":
-            send(("reply", command_id, True, None))
+        if command.name is CommandName.SHUTDOWN:
+            channel.send(Reply(command.command_id, True, None))
             return
-        try:
-            payload = COMMANDS[command](loaded, *args)
-            send(("reply", command_id, True, payload))
-        except Exception as e:
-            send(
-                (
-                    "reply",
-                    command_id,
-                    False,
-                    f"rank {loaded.rank}: {command} failed: {type(e).__name__}: {e}\n"
-                    f"{traceback.format_exc()}",
-                )
-            )
+        channel.send(_run_command(loaded, command))
+
+
+def _run_command(loaded: ShardedModel, command: Command) -> Reply:
+    try:
+        payload = COMMANDS[command.name](loaded, *command.args)
+    except Exception as e:
+        text = (
+            f"rank {loaded.rank}: {command.name} failed: {type(e).__name__}: {e}\n"
+            f"{traceback.format_exc()}"
+        )
+        return Reply(command.command_id, False, text)
+    return Reply(command.command_id, True, payload)
 
 
 def _forward(loaded: ShardedModel, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -130,8 +130,8 @@ def _call(loaded: ShardedModel, fn: Callable | str, args: tuple, kwargs: dict) -
     return resolve_callable(fn)(loaded.model, *args, **kwargs)
 
 
-COMMANDS: dict[str, Callable[..., Any]] = {
-    "forward": _forward,
-    "shard_report": lambda loaded: loaded.shard_report(),
-    "call": _call,
+COMMANDS: dict[CommandName, Callable[..., Any]] = {
+    CommandName.FORWARD: _forward,
+    CommandName.SHARD_REPORT: lambda loaded: loaded.shard_report(),
+    CommandName.CALL: _call,
 }

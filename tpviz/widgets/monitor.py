@@ -11,22 +11,22 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from html import escape
 from typing import Any
 
 import ipywidgets as widgets
 from plotly.graph_objects import FigureWidget  # at import: it takes seconds the first time
 
-from ..events import Done, Error, Event, JsonlTail, Phase, UnitDone, UnitStart
+from ..events import Done, Event, JobState, JsonlTail
 from ..format import human_bytes
 from ..launcher import LoadError, LoadJob
 from ..plan import ResolvedPlan
 from ..report import html_page, load_parts, plan_parts
+from ..results import LoadResult
+from ..tracking import ProgressTracker
 from . import figures
 from .throttle import Schedule, Throttle, timer_thread
 
-FINISHED = ("loaded", "failed", "cancelled", "closing", "closed")
 MAX_UPDATES_PER_SECOND = 10.0
 
 _CSS = """<style>
@@ -99,20 +99,6 @@ class MemoryChart:
         self.redraw()
 
 
-@dataclass
-class _Rank:
-    """One rank's progress, from its events."""
-
-    units_done: int = 0
-    units_total: int = 0
-    bytes_done: int = 0
-    bytes_total: int | None = None  # known from the plan
-    module: str | None = None
-    phase: str = "starting"
-    error: str | None = None
-    result: dict[str, Any] | None = None
-
-
 class LoadMonitor(widgets.VBox):
     """Live view of a load: `LoadMonitor(tpviz.launch(ckpt, 2))`.
 
@@ -147,8 +133,8 @@ class LoadMonitor(widgets.VBox):
                 self.run.shard_bytes = dict(enumerate(self.plan.per_rank_bytes))
         self.chart = chart or MemoryChart(figures.default_measure(device))
         self.updates = 0  # redraws so far: the throttle keeps them to `max_rate` a second
-        self.result: dict[str, Any] | None = None
-        self._ranks: dict[int, _Rank] = {}
+        self.result: LoadResult | None = None
+        self.tracker = ProgressTracker(self.plan)  # the same progress a job keeps
         self._bars: dict[int, tuple[widgets.FloatProgress, widgets.HTML]] = {}
         self._pending: list[Event] = []
         self._lock = threading.Lock()
@@ -170,13 +156,6 @@ class LoadMonitor(widgets.VBox):
             children.append(self.chart.widget)
         children += [self.progress, self.cancel_button, self.summary]
         super().__init__(children)
-        if self.plan is not None:
-            units = self.plan.units()
-            for r in range(self.plan.world_size):
-                self._ranks[r] = _Rank(
-                    units_total=len(units),
-                    bytes_total=sum(t.ranks[r].bytes for _, ts in units for t in ts),
-                )
         self.chart.add_run(self.run)
         if job is not None:
             self._unsubscribe = job.subscribe(self._on_event)  # replays what came before
@@ -227,7 +206,7 @@ class LoadMonitor(widgets.VBox):
             self.job.cancel()
         self._throttle.request()
 
-    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+    def wait(self, timeout: float | None = None) -> LoadResult:
         """Block until the load has finished and its summary is drawn; the load result, or the
         job's error raised."""
         if not self._finished.wait(timeout):
@@ -285,53 +264,41 @@ class LoadMonitor(widgets.VBox):
         with self.chart.lock:
             self.run.series.add(events)
         for event in events:
-            self._track(event)
+            self.tracker.track(event)
+            if isinstance(event, Done):
+                self._note_forecasts(event)
         self.updates += 1
         self.chart.draw(self.run)
         self._draw_progress()
         state = self._state()
         self._draw_status(state)
-        if state in FINISHED and not self._finished.is_set():
+        if state.finished and not self._finished.is_set():
             self._finish(state)
 
-    def _track(self, event: Event) -> None:
-        if event.rank < 0:
-            return  # the launcher's state changes: read from the job itself
-        rank = self._ranks.setdefault(event.rank, _Rank())
-        if isinstance(event, Phase):
-            rank.phase = event.name
-        elif isinstance(event, UnitStart):
-            rank.module, rank.units_total = event.module, event.total
-        elif isinstance(event, UnitDone):
-            rank.units_done, rank.units_total = event.index + 1, event.total
-            rank.bytes_done += event.bytes
-        elif isinstance(event, Error):
-            rank.error = event.message
-        elif isinstance(event, Done):
-            rank.result = event.result
-            # without a job, the rank's result is where its forecasts come from
-            self.run.shard_bytes.setdefault(event.rank, event.result["planned_bytes"])
-            self.run.peak_bytes.setdefault(event.rank, event.result["forecast_peak_bytes"])
+    def _note_forecasts(self, event: Done) -> None:
+        """Without a job, a rank's result is where its forecasts come from."""
+        self.run.shard_bytes.setdefault(event.rank, event.result["planned_bytes"])
+        self.run.peak_bytes.setdefault(event.rank, event.result["forecast_peak_bytes"])
 
-    def _state(self) -> str:
+    def _state(self) -> JobState:
         if self.job is not None:
             return self.job.state
-        ranks = self._ranks.values()
+        ranks = self.tracker.ranks.values()
         if any(r.error for r in ranks):
-            return "failed"
-        if ranks and all(r.result is not None for r in ranks):
-            return "loaded"
-        return "starting"
+            return JobState.FAILED
+        if self.tracker.results() is not None:
+            return JobState.LOADED
+        return JobState.STARTING
 
     def _error(self) -> str:
         if self.job is not None and self.job.error is not None:
             return str(self.job.error)
-        return next((f"rank {r}: {x.error}" for r, x in self._ranks.items() if x.error), "")
+        return self.tracker.first_error()
 
     def _draw_progress(self) -> None:
-        failed = self._state() in ("failed", "cancelled")
-        for r in sorted(self._ranks):
-            rank = self._ranks[r]
+        failed = self._state() in (JobState.FAILED, JobState.CANCELLED)
+        for r in sorted(self.tracker.ranks):
+            rank = self.tracker.ranks[r]
             if r not in self._bars:
                 bar = widgets.FloatProgress(min=0.0, max=1.0, layout={"width": "320px"})
                 text = widgets.HTML()
@@ -344,7 +311,7 @@ class LoadMonitor(widgets.VBox):
             else:
                 value, top = rank.units_done, rank.units_total or 1
                 amount = f"{human_bytes(rank.bytes_done)}"
-            loaded = rank.result is not None or rank.phase in ("checking", "loaded")
+            loaded = rank.loaded
             with bar.hold_sync():
                 bar.max = float(top)
                 bar.value = float(min(value, top))
@@ -355,36 +322,37 @@ class LoadMonitor(widgets.VBox):
                 f"{escape(rank.phase)}{where}"
             )
 
-    def _draw_status(self, state: str) -> None:
+    def _draw_status(self, state: JobState) -> None:
         job = self.job
         seconds = time.time() - self._started
-        if state == "failed":
+        ranks = self.tracker.ranks
+        if state is JobState.FAILED:
             text = f"failed: {self._error()}"
-        elif state == "cancelled":
+        elif state is JobState.CANCELLED:
             text = "cancelled: every rank was ended"
-        elif self.result is not None or (job is not None and job.result and state in FINISHED):
+        elif self.result is not None or (job is not None and job.result and state.finished):
             result = self.result or job.result
             text = "loaded: " + figures.headline(result)
-            if state in ("closing", "closed"):
+            if state in (JobState.CLOSING, JobState.CLOSED):
                 text += f" (job {state})"
-        elif state == "verifying":
+        elif state is JobState.VERIFYING:
             text = "verifying the sharded model against a single-process reference ..."
         else:
-            phases = ", ".join(f"rank {r} {self._ranks[r].phase}" for r in sorted(self._ranks))
+            phases = ", ".join(f"rank {r} {ranks[r].phase}" for r in sorted(ranks))
             text = f"{self.label}: {phases or 'waiting for ranks'} ({seconds:.1f} s)"
         self.status.value = f'<div class="tpviz-status {state}">{escape(text)}</div>'
 
-    def _finish(self, state: str) -> None:
+    def _finish(self, state: JobState) -> None:
         if self.job is not None:
             self.result = self.job.result
-        elif state == "loaded":
-            entries = [self._ranks[r].result for r in sorted(self._ranks)]
-            self.result = {
-                "strategy": self.label,
-                "load_seconds": max(e["load_seconds"] for e in entries),
-                "ranks": entries,
-            }
-        if self.result is not None and state not in ("failed", "cancelled"):
+        elif state is JobState.LOADED:
+            entries = self.tracker.results() or []
+            self.result = LoadResult(
+                strategy=self.label,
+                load_seconds=max(e.load_seconds for e in entries),
+                ranks=entries,
+            )
+        if self.result is not None and state not in (JobState.FAILED, JobState.CANCELLED):
             self.summary.value = summary_html(self.result)
         self.cancel_button.disabled = True
         self.cancel_button.layout.display = "none"  # nothing left to cancel
@@ -396,7 +364,7 @@ class LoadMonitor(widgets.VBox):
             callback(self)
 
 
-def summary_html(result: dict[str, Any]) -> str:
+def summary_html(result: LoadResult) -> str:
     """The per-rank summary table of a load, its headline and its verification result."""
     headers, rows = figures.summary_rows(result)
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)

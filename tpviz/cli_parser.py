@@ -1,0 +1,135 @@
+"""The `tpviz` command line: subcommands, their arguments and help."""
+
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = "`tpviz ...`: make checkpoints, show plans, load, compare strategies, and the demo."
+SOURCE_HELP = "checkpoint dir (Hugging Face layout), or a dir holding only config.json"
+# the names of tpviz.strategies.STRATEGIES (a test keeps them equal), spelled out so that
+# `tpviz --help` does not import torch
+STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
+JSON_HELP = "print the result as JSON on stdout (also on failure, then with errors)"
+PRESETS = ["tiny", "small", "medium"]
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def _shared(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--plan", help="plan file: {pattern: style} or transformers' tp_plan form")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="target dtype (default: the checkpoint's)",
+    )
+    p.add_argument("--model", default="auto", help="auto, builtin, hf or PKG.MOD:FN (default auto)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+
+
+def _load_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: gloo ranks; cuda: one GPU per rank, nccl (default cpu)",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare logits on a fixed prompt with a single-process reference",
+    )
+    p.add_argument(
+        "--init",
+        choices=["checkpoint", "random"],
+        default="checkpoint",
+        help="random: initialise from --seed instead of loading",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of --init random (default 0)")
+    p.add_argument("--profile", metavar="DIR", help="write torch.profiler traces for TensorBoard")
+    p.add_argument(
+        "--profile-forward",
+        action="store_true",
+        help="with --profile, also profile one forward of the fixed prompt",
+    )
+    p.add_argument("--events", metavar="DIR", help="write each rank's events as rank{r}.jsonl")
+    p.add_argument("--report", metavar="FILE.html", help="write a self-contained HTML report")
+    p.add_argument("--timeout", type=float, help="fail if loading takes longer (seconds)")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="fail if a rank stays silent (frozen) this long (default 30)",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="load even if the memory forecast says it will not fit"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="tpviz", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"tpviz {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _make_checkpoint_parser(sub)
+    p = sub.add_parser("plan", help="resolve a TP plan and show what every rank holds")
+    p.add_argument("source", help=SOURCE_HELP)
+    _shared(p)
+    p.add_argument("--full", action="store_true", help="one row per tensor (no folding)")
+
+    p = sub.add_parser("load", help="load a checkpoint on local ranks")
+    p.add_argument("source", help=SOURCE_HELP)
+    _shared(p)
+    p.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="sliced",
+        help="sliced: each rank reads its own slices; rank0_broadcast: rank 0 reads and sends; "
+        "replicated: every rank loads the whole model, keeps its shards (default sliced)",
+    )
+    _load_flags(p)
+
+    p = sub.add_parser("compare", help="load with every strategy in turn and compare")
+    p.add_argument("source", help=SOURCE_HELP)
+    _shared(p)
+    _load_flags(p)
+
+    p = sub.add_parser("demo", help="make the demo checkpoint, show its plan, load it")
+    p.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default="small",
+        help="demo checkpoint size, made once in a cache dir (default small)",
+    )
+    p.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    return parser
+
+
+def _make_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-checkpoint", help="write a deterministic Llama-family checkpoint")
+    p.add_argument("directory", help="where to write it (created; must not hold a checkpoint)")
+    p.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default="tiny",
+        help="model size in float32: tiny (2.4 MiB), small (143 MiB), medium (610 MiB) "
+        "(default tiny)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="dtype of the stored tensors (default float32)",
+    )
+    p.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        help="share one tensor between the embedding and lm_head (no lm_head.weight stored)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--max-shard-size", type=int, help="bytes per .safetensors file")
+    for dim in ("layers", "hidden", "intermediate", "heads", "kv-heads", "vocab"):
+        p.add_argument(f"--{dim}", type=int, help=f"override the preset's {dim}")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)

@@ -1,0 +1,56 @@
+"""Commands to the loaded ranks (forward, shard_report, call) and their replies."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .messages import Command, CommandName, Reply
+from .processes import Ranks
+
+
+class CommandChannel:
+    """Sends a command to every rank and collects one reply per rank. Replies are handed in
+    by the pump thread (`on_reply`); `cond` is the job's, so that a job that ends wakes a
+    caller waiting here."""
+
+    def __init__(self, ranks: Ranks, world_size: int, cond: threading.Condition):
+        self._ranks = ranks
+        self._world = world_size
+        self._cond = cond
+        self._ids = itertools.count()
+        self._replies: dict[int, dict[int, Reply]] = {}
+        self.running: CommandName | None = None  # the command the ranks are running, if any
+
+    def on_reply(self, rank: int, reply: Reply) -> None:
+        with self._cond:
+            self._replies.setdefault(reply.command_id, {})[rank] = reply
+            self._cond.notify_all()
+
+    def run(
+        self, name: CommandName, args: tuple[Any, ...], given_up: Callable[[], bool]
+    ) -> dict[int, Reply]:
+        """Every rank's reply by rank; fewer when `given_up()` turned true first (the job
+        ended). No wall-clock limit: user code may take long, and a silent rank fails the
+        job through its heartbeat."""
+        command_id = next(self._ids)
+        self.running = name
+        try:
+            # a dead rank breaks its pipe; the pump reports it and fails the job
+            with contextlib.suppress(OSError):
+                self._ranks.send_all(Command(name, command_id, args))
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: len(self._replies.get(command_id, {})) == self._world or given_up()
+                )
+                return self._replies.pop(command_id, {})
+        finally:
+            self.running = None
+
+    def shutdown(self) -> None:
+        """Ask every rank to leave its command loop."""
+        with contextlib.suppress(OSError):
+            self._ranks.send_all(Command(CommandName.SHUTDOWN, next(self._ids)))

@@ -1,0 +1,331 @@
+"""LoadJob: one load on local ranks, from spawn to shutdown.
+
+It ties together the parts that each do one thing: the ranks' processes and the pump that reads
+them (processes.py), the event log viewers subscribe to (eventlog.py), per-rank progress
+(tracking.py), commands on the loaded model (commands.py), the typed result (results.py) and
+verification (runtime/verify.py). What is left here is the job's state machine: starting ->
+[verifying] -> loaded, or failed / cancelled; then closing -> closed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .commands import CommandChannel
+from .eventlog import EventLog
+from .events import LAUNCHER_RANK, Done, Error, Event, JobState, Phase
+from .liveness import death_message, silence_message
+from .messages import CommandName, EventBatch, Reply
+from .models import get_adapter, read_config
+from .plan import ResolvedPlan
+from .processes import Ranks
+from .results import LoadResult
+from .runtime.loader import LoadOptions
+from .runtime.verify import compare_logits, fixed_prompt
+from .runtime.worker import WorkerSpec
+from .token_ids import check_token_ids
+from .tracking import ProgressTracker, RankProgress
+
+HEARTBEAT_TIMEOUT = 30.0  # seconds of silence after which a rank counts as frozen
+
+
+class LoadError(RuntimeError):
+    """The job failed: names the rank, module and file where known."""
+
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        module: str | None = None,
+        file: str | None = None,
+        traceback: str = "",
+    ):
+        super().__init__(message)
+        self.rank, self.module, self.file, self.traceback = rank, module, file, traceback
+
+    @classmethod
+    def from_event(cls, event: Error) -> LoadError:
+        where = f" loading {event.module}" if event.module else ""
+        return cls(
+            f"rank {event.rank} failed{where}: {event.message}",
+            event.rank,
+            event.module,
+            event.file,
+            event.traceback,
+        )
+
+
+class MemoryForecastError(LoadError):
+    pass
+
+
+class LoadJob:
+    """A running (or finished) load. Use it as a context manager, or call `shutdown()`."""
+
+    def __init__(
+        self,
+        plan: ResolvedPlan,
+        options: LoadOptions,
+        device: str = "cpu",
+        timeout: float | None = None,
+        verify: bool = False,
+        events_dir: str | os.PathLike | None = None,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+    ):
+        self.plan = plan
+        self.options = options
+        self.device = device
+        self.verify_requested = verify
+        self.heartbeat_timeout = heartbeat_timeout
+        self.state = JobState.STARTING
+        self.error: LoadError | None = None
+        self.result: LoadResult | None = None
+        self.tracker = ProgressTracker(plan)
+        self._log = EventLog()
+        self._cond = threading.Condition()
+        self._started = time.time()
+        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout if timeout else None
+        self._last_heard = [time.monotonic()] * plan.world_size
+        self._vocab: int | None = None  # read from config.json on the first forward
+        self._ranks = ranks = Ranks()
+        self._procs = ranks.procs
+        self._commands = CommandChannel(ranks, plan.world_size, self._cond)
+        # at collection or interpreter exit: end the ranks, remove the temp dir
+        self._finalizer = weakref.finalize(self, ranks.request_close)
+        ranks.start(plan.world_size, self._spec(events_dir), beat=min(1.0, heartbeat_timeout / 4))
+        ranks.start_pump(self)
+
+    def _spec(self, events_dir: str | os.PathLike | None) -> WorkerSpec:
+        world = self.plan.world_size
+        return WorkerSpec(
+            plan=self.plan,
+            options=self.options,
+            device=self.device,
+            rendezvous=os.path.join(self._ranks.workdir, "rendezvous"),
+            threads=max(1, (os.cpu_count() or 1) // world),
+            timeout=self._timeout or 1800.0,
+            events_dir=str(events_dir) if events_dir else None,
+        )
+
+    # --- events and progress ----------------------------------------------------------------
+
+    @property
+    def events(self) -> list[Event]:
+        """Every event received so far."""
+        return self._log.snapshot()
+
+    def subscribe(
+        self, callback: Callable[[Event], None], replay: bool = True
+    ) -> Callable[[], None]:
+        """Call `callback(event)` (from the pump thread) for every event as it arrives; with
+        `replay`, first for those already received. Returns a function that unsubscribes."""
+        return self._log.subscribe(callback, replay)
+
+    @property
+    def progress(self) -> dict[int, RankProgress]:
+        """Each rank's progress, updated as its events arrive."""
+        return self.tracker.ranks
+
+    # --- what the pump hands in (processes.Listener) ----------------------------------------
+
+    def _heard(self, rank: int) -> None:
+        self._last_heard[rank] = time.monotonic()
+        self.tracker.heard(rank, time.time())
+
+    def _handle(self, rank: int, message: Any) -> None:
+        if isinstance(message, EventBatch):
+            self._receive(message.events)
+        elif isinstance(message, Reply):
+            self._commands.on_reply(rank, message)
+        # a Beat: hearing the rank (`_heard`) is all it does
+
+    def _receive(self, events: list[Event]) -> None:
+        for event in events:
+            self.tracker.track(event)
+        self._log.append(events)
+        for event in events:
+            if isinstance(event, Error):
+                self._fail(LoadError.from_event(event))
+            elif isinstance(event, Done):
+                self._rank_done()
+
+    def _check(self) -> None:
+        """The ranks' health, on every pump tick: dead, over time, or silent."""
+        if self.state.ended:
+            return
+        for rank, proc in enumerate(self._procs):
+            if proc.exitcode is not None:
+                progress = self.progress[rank]
+                loading = self.state is JobState.STARTING
+                message = death_message(rank, proc.exitcode, progress, loading)
+                self._log.append([Error(rank, time.time(), message=message)])
+                self._fail(LoadError(message, rank, progress.module))
+                return
+        if self._deadline and self.state is JobState.STARTING and time.monotonic() > self._deadline:
+            self._fail(
+                LoadError(f"the load did not finish within its timeout ({self._timeout:g} s)")
+            )
+            return
+        now = time.monotonic()
+        for rank, heard in enumerate(self._last_heard):
+            if now - heard > self.heartbeat_timeout:
+                progress = self.progress[rank]
+                message = silence_message(rank, now - heard, progress, self._commands.running)
+                self._log.append(
+                    [Error(rank, time.time(), message=message, module=progress.module)]
+                )
+                self._fail(LoadError(message, rank, progress.module))
+                return
+
+    def _pump_failed(self, error: Exception) -> None:
+        self._fail(LoadError(f"tpviz's event pump failed: {type(error).__name__}: {error}"))
+
+    # --- states -----------------------------------------------------------------------------
+
+    def _rank_done(self) -> None:
+        ranks = self.tracker.results()
+        if ranks is None:
+            return
+        self.result = LoadResult.collect(
+            self.plan,
+            ranks,
+            strategy=self.options.strategy,
+            device=self.device,
+            init=self.options.init,
+            profile_dir=self.options.profile_dir,
+            started=self._started,
+            startup_marks=[p.startup_marks() for p in self.progress.values()],
+        )
+        if self.verify_requested:
+            threading.Thread(
+                target=self._verify_then_ready, name="tpviz-verify", daemon=True
+            ).start()
+        else:
+            self._set_state(JobState.LOADED)
+
+    def _verify_then_ready(self) -> None:
+        try:
+            self._set_state(JobState.VERIFYING)
+            self.verify()
+        except Exception as e:
+            self.result.verify = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        if self.state is JobState.VERIFYING:
+            self._set_state(JobState.LOADED)
+
+    def _set_state(self, state: JobState) -> None:
+        with self._cond:
+            self.state = state
+            self._cond.notify_all()
+        self._log.append([Phase(LAUNCHER_RANK, time.time(), name=state)])
+
+    def _fail(self, error: LoadError, state: JobState = JobState.FAILED) -> None:
+        with self._cond:
+            if self.state.ended:
+                return
+            self.error = error
+            self.state = state
+            self._cond.notify_all()
+        self._finalizer()  # end every rank now: peers of a failed rank may wait in collectives
+        self._log.append([Phase(LAUNCHER_RANK, time.time(), name=state)])
+
+    # --- waiting and results ----------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> LoadResult:
+        """The load result once every rank has loaded (and verified, if asked); raises the
+        job's error. The ranks stay alive for commands."""
+        busy = (JobState.STARTING, JobState.VERIFYING)
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.state not in busy, timeout)
+        if not ok:
+            raise TimeoutError(f"the load is still running after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        if self.result is None:
+            raise LoadError(f"the job is {self.state}")
+        return self.result
+
+    def cancel(self) -> None:
+        """Stop the job: every rank is ended."""
+        self._fail(LoadError("the load was cancelled"), state=JobState.CANCELLED)
+
+    # --- commands on the loaded model -------------------------------------------------------
+
+    def _command(self, name: CommandName, *args: Any) -> list[Any]:
+        verifying = self.state is JobState.VERIFYING and name is CommandName.FORWARD
+        if self.state is not JobState.LOADED and not verifying:
+            raise LoadError(f"the job is {self.state}; commands need a loaded model")
+        replies = self._commands.run(name, args, given_up=lambda: self.state.ended)
+        if self.error is not None:
+            raise self.error
+        world = self.plan.world_size
+        if len(replies) < world:
+            raise LoadError(f"the job is {self.state}; {name} was not finished")
+        errors = [reply.payload for reply in replies.values() if not reply.ok]
+        if errors:
+            raise LoadError(errors[0])
+        return [replies[r].payload for r in range(world)]
+
+    def forward(self, input_ids: torch.Tensor | list) -> torch.Tensor:
+        """Run the sharded model on `input_ids`; the logits, gathered, on this side. Ids are
+        checked here first (ValueError): no rank would notice one outside the vocabulary."""
+        ids = check_token_ids(input_ids, self._vocab_size())
+        return self._command(CommandName.FORWARD, ids)[0]
+
+    def _vocab_size(self) -> int:
+        if self._vocab is None:
+            config = read_config(self.plan.source)
+            vocab = config.get("vocab_size")  # what every model family tpviz runs writes
+            if not isinstance(vocab, int):  # nested (text_config): the adapter knows where
+                vocab = get_adapter(config, self.plan.model, self.plan.source).vocab_size(config)
+            self._vocab = vocab
+        return self._vocab
+
+    def shard_report(self) -> list[list[dict[str, Any]]]:
+        """Each rank's real local tensors (shape, dtype, device, placement) beside the plan."""
+        return self._command(CommandName.SHARD_REPORT)
+
+    def call(self, fn: Callable | str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run `fn(model, *args, **kwargs)` on every rank; `fn` is importable (or `"pkg.mod:fn"`).
+        Returns the results, one per rank."""
+        return self._command(CommandName.CALL, fn, args, kwargs)
+
+    def verify(self) -> dict[str, Any]:
+        """Logits of the fixed prompt from the sharded model against a single-process model
+        built from the same checkpoint (or the same seed); stored in `result["verify"]`."""
+        ids = fixed_prompt(self.plan)
+        report = compare_logits(self.plan, self.options, ids, self.forward(ids))
+        self.result.verify = report
+        return report
+
+    # --- lifetime ---------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the ranks and release everything; safe to call more than once."""
+        with self._cond:
+            if self.state is JobState.CLOSED:
+                return
+            alive = self.state in (JobState.LOADED, JobState.VERIFYING)
+            if alive:
+                self.state = JobState.CLOSING
+        if alive:
+            self._commands.shutdown()
+        self._ranks.request_close(grace=timeout if alive else 0.0)
+        self._finalizer.detach()
+        self._set_state(JobState.CLOSED)
+
+    def __enter__(self) -> LoadJob:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"<LoadJob {self.options.strategy} world_size={self.plan.world_size} {self.state}>"

@@ -1,0 +1,40 @@
+"""What to say when a rank died or fell silent: the error names the rank, how it ended and
+what it was doing."""
+
+from __future__ import annotations
+
+from .events import RankPhase
+from .tracking import RankProgress
+
+UNGUARDED_SCRIPT = (
+    " before it started; a script that calls tpviz.launch must guard the call with "
+    "`if __name__ == '__main__':`"
+)
+
+
+def death_message(rank: int, exitcode: int, progress: RankProgress, loading: bool) -> str:
+    """A rank's process ended with `exitcode` (negative: the signal) before the job did."""
+    how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
+    if exitcode == -9:
+        how += " (SIGKILL)"
+    where = progress.module
+    doing = f" while loading {where}" if where and loading else ""
+    if not progress.phase_times:
+        doing = UNGUARDED_SCRIPT
+    return f"rank {rank} died ({how}){doing}"
+
+
+def silence_message(rank: int, silence: float, progress: RankProgress, running: str | None) -> str:
+    """A rank sent nothing, not even a heartbeat, for `silence` seconds."""
+    if running:
+        doing = f"while running {running}"
+    elif progress.phase == RankPhase.LOADED:
+        doing = "while waiting for commands"
+    else:
+        doing = f"during {progress.phase}"
+        if progress.phase == RankPhase.LOADING and progress.module:
+            doing += f" of {progress.module}"
+    return (
+        f"rank {rank} stopped responding (no heartbeat for {silence:.0f} s) {doing}; "
+        "it was ended with the job"
+    )

@@ -1,0 +1,46 @@
+"""The messages on a rank's pipe to its launcher, as plain picklable records.
+
+Up (rank -> launcher): `Beat` (alive), `EventBatch` (the rank's events, `done` and `error`
+among them), `Reply` (to a command). Down (launcher -> rank): `Command`. Standard library only:
+the heartbeat sends `Beat` while the rank is still importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class CommandName(StrEnum):
+    FORWARD = "forward"
+    SHARD_REPORT = "shard_report"
+    CALL = "call"
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """The rank is alive (sent from process start to exit)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    events: list[Any]  # tpviz.events.Event, in the order the rank made them
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    command_id: int
+    ok: bool
+    payload: Any  # the command's value, or the error text when not ok
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    name: CommandName
+    command_id: int
+    args: tuple[Any, ...] = ()
+
+
+Message = Beat | EventBatch | Reply | Command

@@ -1,0 +1,60 @@
+"""Verification of a sharded load: logits of the fixed prompt against a single-process model
+built from the same checkpoint (or the same seed). The job asks for it after loading; the
+reference model is built in the caller's process, one whole copy, and dropped at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..checkpoint import Checkpoint
+from ..models import get_adapter, prompt_ids, read_config
+from ..plan import ResolvedPlan
+from .loader import LoadOptions
+from .reference import FullModel
+
+SLICED_RANDOM_NOTE = "sliced random init cannot match a single-process draw"
+
+
+def tolerance(dtype: str) -> float:
+    return 1e-4 if dtype == "float32" else 5e-2
+
+
+def fixed_prompt(plan: ResolvedPlan) -> torch.Tensor:
+    """The fixed token ids, taken modulo the model's vocabulary."""
+    config = read_config(plan.source)
+    return prompt_ids(get_adapter(config, plan.model, plan.source), config)
+
+
+def reference_logits(plan: ResolvedPlan, options: LoadOptions, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of `ids` from the whole model in this process, loaded or drawn as the job was."""
+    config = read_config(plan.source)
+    adapter = get_adapter(config, plan.model, plan.source)
+    reference = FullModel(plan, adapter, config, options.seed)
+    if options.init == "random":
+        reference.materialize(None, None, reference.loaded)
+        reference.init_all()
+    else:
+        reference.load_checkpoint(Checkpoint.open(plan.source))
+    with torch.no_grad():
+        return adapter.logits(reference.model, ids)
+
+
+def compare_logits(
+    plan: ResolvedPlan, options: LoadOptions, ids: torch.Tensor, sharded: torch.Tensor
+) -> dict[str, Any]:
+    """The `verify` object of the load JSON for the sharded model's logits of `ids`."""
+    expected = reference_logits(plan, options, ids)
+    diff = (sharded.float() - expected.float()).abs().max().item()
+    limit = tolerance(plan.dtype)
+    report: dict[str, Any] = {
+        "max_abs_diff": diff,
+        "tolerance": limit,
+        "ok": diff <= limit,
+        "prompt": ids.tolist(),
+    }
+    if options.init == "random" and options.strategy == "sliced":
+        report["note"] = SLICED_RANDOM_NOTE
+        report["ok"] = None
+    return report
