@@ -106,17 +106,14 @@ def head_cuts(
     cuts = []
     for mod_name, style_name in module_styles.items():
         style = styles.STYLES[style_name]
-        exposed = (style.weight_dim == 0 and style.local_output) or (
-            style.weight_dim == 1 and style.local_input
-        )
-        owner = _owner(mod_name, attention) if exposed else None
+        owner = _owner(mod_name, attention) if style.model_sees_cut else None
         weight = getattr(model.get_submodule(mod_name), "weight", None) if owner else None
         if weight is None or weight.dim() <= style.weight_dim:
             continue
         attn = model.get_submodule(owner)
         sizes = attention[owner] | ({counts.head_dim} - {0})
         heads, kv = _counts(attn, counts)
-        parts = 2 if style.packed else 1
+        parts = style.packed_parts
         part_len = weight.shape[style.weight_dim] // parts
         for count, what in ((heads, "attention heads"), (kv, "key-value heads")):
             unit = part_len // count if count and part_len % count == 0 else 0
