@@ -20,49 +20,58 @@ from .types import PlanIssue
 
 @dataclass(frozen=True)
 class PlanKey:
+    """One plan key, compiled: what it matches and how strongly."""
+
     pattern: str
     style_given: str
     regex: re.Pattern[str]
     specificity: tuple[int, int]  # (explicit indices, length): higher wins
 
+    @classmethod
+    def compile(cls, pattern: str, style_given: str) -> PlanKey:
+        segments = pattern.split(".")
+        body = r"\.".join(r"\d+" if s == "*" else re.escape(s) for s in segments)
+        regex = re.compile(rf"(?:^|\.){body}$")
+        # explicit layer indices beat wildcards; then the longer pattern wins
+        specificity = (sum(seg.isdigit() for seg in segments), len(pattern))
+        return cls(pattern, style_given, regex, specificity)
+
 
 class CompiledPlan:
     """Plan patterns compiled once. `*` matches one numeric path segment; a key matches a name
-    that equals it or ends with it at a segment boundary."""
+    that equals it or ends with it at a segment boundary. `used`: the keys that matched."""
 
     def __init__(self, patterns: Mapping[str, str]):
         self.keys: list[PlanKey] = []
         self.errors: list[PlanIssue] = []
-        for pattern, style_given in patterns.items():
-            if not isinstance(style_given, str):
-                self.errors.append(
-                    PlanIssue(
-                        "invalid_plan",
-                        pattern,
-                        f"plan key {pattern!r}: style must be a string, got {style_given!r}",
-                    )
-                )
-                continue
-            try:
-                styles.canonical(style_given)
-            except styles.UnknownStyle as e:
-                self.errors.append(
-                    PlanIssue("unknown_style", pattern, f"plan key {pattern!r}: {e}")
-                )
-            except styles.UnsupportedStyle:
-                pass  # reported per module once we know which modules it hits
-            body = r"\.".join(r"\d+" if s == "*" else re.escape(s) for s in pattern.split("."))
-            regex = re.compile(rf"(?:^|\.){body}$")
-            # explicit layer indices beat wildcards; then the longer pattern wins
-            specificity = (sum(seg.isdigit() for seg in pattern.split(".")), len(pattern))
-            self.keys.append(PlanKey(pattern, style_given, regex, specificity))
         self.used: set[str] = set()
+        for pattern, style_given in patterns.items():
+            issue = _style_issue(pattern, style_given)
+            if issue is not None:
+                self.errors.append(issue)
+            if isinstance(style_given, str):
+                self.keys.append(PlanKey.compile(pattern, style_given))
 
     def best(self, name: str) -> PlanKey | None:
         found = [k for k in self.keys if k.regex.search(name)]
         for k in found:
             self.used.add(k.pattern)
         return max(found, key=lambda k: k.specificity) if found else None
+
+
+def _style_issue(pattern: str, style_given: Any) -> PlanIssue | None:
+    """What is wrong with the style a key gives. A known style tpviz cannot execute is no issue
+    here: it is reported per module, once the walk knows which modules it hits."""
+    if not isinstance(style_given, str):
+        message = f"plan key {pattern!r}: style must be a string, got {style_given!r}"
+        return PlanIssue("invalid_plan", pattern, message)
+    try:
+        styles.canonical(style_given)
+    except styles.UnknownStyle as e:
+        return PlanIssue("unknown_style", pattern, f"plan key {pattern!r}: {e}")
+    except styles.UnsupportedStyle:
+        pass
+    return None
 
 
 def load_plan_patterns(plan: Mapping[str, str] | str | os.PathLike | None) -> dict[str, str] | None:

@@ -4,7 +4,7 @@ Pure: the plan places tensors with a style's cut; the runtime installs the forwa
 `forward` describes.
 """
 
-from .base import ANY, EMBEDDING, LINEAR, Cut, Forward, Held, Style, module_kind
+from .base import ANY, EMBEDDING, LINEAR, Cut, Forward, Held, Style
 from .registry import (
     ALIASES,
     DEFAULT_STYLE,
@@ -30,5 +30,4 @@ __all__ = [
     "UnknownStyle",
     "UnsupportedStyle",
     "canonical",
-    "module_kind",
 ]

@@ -109,10 +109,6 @@ class Style:
     forward: ClassVar[Forward | None] = None
 
     @property
-    def packed(self) -> bool:
-        return self.packed_parts > 1
-
-    @property
     def forward_collective(self) -> str:
         """What the module's forward sends between ranks."""
         return self.forward.collective if self.forward else "none"
