@@ -52,14 +52,14 @@ def test_each_style_owns_its_cut_and_its_forward(name, weight, bias, forward, co
 
 def test_a_cut_says_what_each_rank_holds():
     # torch.chunk semantics: 10 rows over 4 ranks are 3, 3, 3, 1
-    held = Cut(0).held([10, 2], 4, itemsize=4)
+    held = Cut(0).rank_shards([10, 2], 4, itemsize=4)
     assert [h.shape for h in held] == [[3, 2], [3, 2], [3, 2], [1, 2]]
     assert [h.bytes for h in held] == [24, 24, 24, 8]
     # packed: one block of each of the two parts per rank
     packed = styles.canonical("packed_colwise").cut("weight", 2)
     assert packed == Cut(0, parts=2) and not packed.splits_evenly([7, 4])
-    assert [len(h.blocks) for h in packed.held([8, 4], 2, itemsize=2)] == [2, 2]
-    assert all(h.shape == [10, 2] for h in Cut(None).held([10, 2], 3, itemsize=4))
+    assert [len(h.blocks) for h in packed.rank_shards([8, 4], 2, itemsize=2)] == [2, 2]
+    assert all(h.shape == [10, 2] for h in Cut(None).rank_shards([10, 2], 3, itemsize=4))
 
 
 class HalfColwise(Style):

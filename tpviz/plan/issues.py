@@ -13,7 +13,7 @@ from ..checkpoint import torch_dtype
 from ..format import fold_layers
 from ..models import HeadCounts
 from .patterns import CompiledPlan
-from .types import PlanIssue, TensorPlan, rank_shards
+from .types import PlanIssue, TensorPlan
 
 MAX_ISSUES_PER_CODE = 10
 MOSTLY_REPLICATED = 0.5  # above this share of replicated bytes, a plan gets a warning
@@ -85,10 +85,15 @@ def check_tie(first: TensorPlan, name: str, dim: int | None, errors: Issues) -> 
 def warn_if_mostly_replicated(entries: list[TensorPlan], world_size: int, warnings: Issues) -> None:
     """A plan that shards nothing, or leaves over half of the bytes whole on every rank, saves
     little memory: say so (transformers gives some architectures no TP plan at all)."""
-    total = sum(e.nbytes for e in entries)
-    if world_size < 2 or not total:
+    if world_size < 2:
         return
-    replicated = sum(e.nbytes for e in entries if e.shard_dim is None)
+    total = replicated = 0
+    for e in entries:
+        nbytes = e.nbytes
+        total += nbytes
+        replicated += nbytes if e.placement == "replicate" else 0
+    if not total:
+        return
     share = replicated / total
     if replicated < total and share <= MOSTLY_REPLICATED:
         return
@@ -164,4 +169,4 @@ def _shard_by_head(entry: TensorPlan, world_size: int) -> None:
     entry.style = colwise.name
     entry.placement, entry.pattern = cut.placement, None
     itemsize = torch_dtype(entry.dtype).itemsize
-    entry.ranks = rank_shards(cut, entry.global_shape, world_size, itemsize)
+    entry.ranks = cut.rank_shards(entry.global_shape, world_size, itemsize)

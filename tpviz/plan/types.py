@@ -1,4 +1,5 @@
 """The plan's JSON types: what every rank holds of every tensor, and the plan's issues.
+(`RankShard` and `Block`, what one rank holds, live with the chunk math in chunks.py.)
 
 Plain data; `ResolvedPlan.to_json()` is the plan JSON of the README, and the ranks execute
 the object `from_json` gives back.
@@ -10,14 +11,11 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..checkpoint import torch_dtype
-from ..chunks import Block
+from ..chunks import Block, RankShard
 from ..keymap import Source
-
-if TYPE_CHECKING:
-    from ..styles import Cut
 
 
 class PlanError(ValueError):
@@ -30,20 +28,6 @@ class PlanError(ValueError):
         # said apart from the first message, whose own list (world sizes) it must not extend
         more = f"; and {n} more plan error{'s' if n > 1 else ''}" if n else ""
         super().__init__(first + more)
-
-
-@dataclass(slots=True)
-class RankShard:
-    rank: int
-    shape: list[int]
-    bytes: int
-    blocks: list[Block]
-
-
-def rank_shards(cut: Cut, shape: list[int], world_size: int, itemsize: int) -> list[RankShard]:
-    """What each rank holds of a tensor of `shape` cut as `cut`."""
-    held = cut.held(shape, world_size, itemsize)
-    return [RankShard(rank, h.shape, h.bytes, h.blocks) for rank, h in enumerate(held)]
 
 
 @dataclass(slots=True)

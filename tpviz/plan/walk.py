@@ -16,7 +16,7 @@ from .. import styles
 from ..checkpoint import dtype_name
 from .issues import Issues, check_tie
 from .patterns import CompiledPlan, PlanKey
-from .types import TensorPlan, rank_shards
+from .types import TensorPlan
 
 
 @dataclass(slots=True)
@@ -177,7 +177,7 @@ class Walk:
             global_shape=shape,
             dtype=dtype_name(dtype),
             tied_to=[],
-            ranks=rank_shards(cut, shape, self.world_size, dtype.itemsize),
+            ranks=cut.rank_shards(shape, self.world_size, dtype.itemsize),
             kind=t.kind,
             origin=t.origin,
             pattern=key.pattern if key else None,

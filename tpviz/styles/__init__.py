@@ -4,7 +4,7 @@ Pure: the plan places tensors with a style's cut; the runtime installs the forwa
 `forward` describes.
 """
 
-from .base import ANY, EMBEDDING, LINEAR, Cut, Forward, Held, Style
+from .base import ANY, EMBEDDING, LINEAR, Cut, Forward, Style
 from .registry import (
     ALIASES,
     DEFAULT_STYLE,
@@ -25,7 +25,6 @@ __all__ = [
     "UNSUPPORTED",
     "Cut",
     "Forward",
-    "Held",
     "Style",
     "UnknownStyle",
     "UnsupportedStyle",

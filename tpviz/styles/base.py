@@ -11,11 +11,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 
-from ..chunks import Block, local_shape, shard_blocks
+from ..chunks import RankShard, local_shape, shard_blocks
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
@@ -37,15 +37,6 @@ def module_kind(module: nn.Module) -> str:
     return type(module).__name__
 
 
-class Held(NamedTuple):
-    """What one rank holds of a tensor: its blocks of the global tensor, their local shape and
-    bytes."""
-
-    blocks: list[Block]
-    shape: list[int]
-    bytes: int
-
-
 @dataclass(frozen=True, slots=True)
 class Cut:
     """How one tensor is cut: along `dim` (None: whole on every rank) in `parts` packed parts,
@@ -62,12 +53,13 @@ class Cut:
         """Whether the packed parts are equal (always true for an unpacked cut)."""
         return self.parts == 1 or shape[self.dim] % self.parts == 0
 
-    def held(self, shape: list[int], world_size: int, itemsize: int) -> list[Held]:
-        """What each rank holds of a tensor of `shape` (the cost of the cut, in bytes)."""
+    def rank_shards(self, shape: list[int], world_size: int, itemsize: int) -> list[RankShard]:
+        """What each rank holds of a tensor of `shape`: its blocks, their local shape and bytes
+        (the memory cost of the cut)."""
         out = []
-        for blocks in shard_blocks(shape, self.dim, world_size, self.parts):
+        for rank, blocks in enumerate(shard_blocks(shape, self.dim, world_size, self.parts)):
             lshape = local_shape(shape, self.dim, blocks)
-            out.append(Held(blocks, lshape, math.prod(lshape) * itemsize))
+            out.append(RankShard(rank, lshape, math.prod(lshape) * itemsize, blocks))
         return out
 
 
