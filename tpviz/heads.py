@@ -66,11 +66,11 @@ def _head_sizes(module: nn.Module) -> set[int]:
 
 def attention_modules(model: nn.Module) -> dict[str, set[int]]:
     """Innermost attention modules -> the head sizes they declare."""
-    found = {
-        name: _head_sizes(m)
-        for name, m in model.named_modules()
-        if _head_sizes(m) or type(m).__name__.endswith("Attention")
-    }
+    found: dict[str, set[int]] = {}
+    for name, m in model.named_modules():
+        sizes = _head_sizes(m)
+        if sizes or type(m).__name__.endswith("Attention"):
+            found[name] = sizes
     outer = {".".join(n.split(".")[:i]) for n in found if n for i in range(n.count(".") + 1)}
     return {n: d for n, d in found.items() if n not in outer}
 
