@@ -47,10 +47,8 @@ CORE = (
     "liveness",
 )
 
-# Known exceptions, each an edge that closes a cycle; keep this list empty. The strategies take
-# the plan types (for annotations only) from tpviz.plan, which forecasts with them; the edge
-# goes when the types have a module of their own.
-KNOWN_CYCLE_EDGES: set[tuple[str, str]] = {("tpviz.strategies.executor", "tpviz.plan")}
+# Known exceptions, each an edge that closes a cycle; keep this list empty.
+KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:

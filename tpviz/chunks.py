@@ -1,6 +1,6 @@
 """Chunk math: how a dim is cut into per-rank blocks (torch.chunk semantics, as DTensor's Shard).
 
-Pure Python; the plan, the head checks and the widgets share it.
+Pure Python; the styles' cuts, the plan, the head checks and the widgets share it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,17 @@ from dataclasses import dataclass
 class Block:
     offset: list[int]
     shape: list[int]
+
+
+@dataclass(slots=True)
+class RankShard:
+    """What one rank holds of a tensor: its blocks of the global tensor, in the order they are
+    laid out in its local tensor, of local `shape` and `bytes`."""
+
+    rank: int
+    shape: list[int]
+    bytes: int
+    blocks: list[Block]
 
 
 def chunk_sizes(n: int, parts: int) -> list[int]:

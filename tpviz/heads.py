@@ -66,11 +66,11 @@ def _head_sizes(module: nn.Module) -> set[int]:
 
 def attention_modules(model: nn.Module) -> dict[str, set[int]]:
     """Innermost attention modules -> the head sizes they declare."""
-    found = {
-        name: _head_sizes(m)
-        for name, m in model.named_modules()
-        if _head_sizes(m) or type(m).__name__.endswith("Attention")
-    }
+    found: dict[str, set[int]] = {}
+    for name, m in model.named_modules():
+        sizes = _head_sizes(m)
+        if sizes or type(m).__name__.endswith("Attention"):
+            found[name] = sizes
     outer = {".".join(n.split(".")[:i]) for n in found if n for i in range(n.count(".") + 1)}
     return {n: d for n, d in found.items() if n not in outer}
 
@@ -106,17 +106,14 @@ def head_cuts(
     cuts = []
     for mod_name, style_name in module_styles.items():
         style = styles.STYLES[style_name]
-        exposed = (style.weight_dim == 0 and style.local_output) or (
-            style.weight_dim == 1 and style.local_input
-        )
-        owner = _owner(mod_name, attention) if exposed else None
+        owner = _owner(mod_name, attention) if style.model_sees_cut else None
         weight = getattr(model.get_submodule(mod_name), "weight", None) if owner else None
         if weight is None or weight.dim() <= style.weight_dim:
             continue
         attn = model.get_submodule(owner)
         sizes = attention[owner] | ({counts.head_dim} - {0})
         heads, kv = _counts(attn, counts)
-        parts = 2 if style.packed else 1
+        parts = style.packed_parts
         part_len = weight.shape[style.weight_dim] // parts
         for count, what in ((heads, "attention heads"), (kv, "key-value heads")):
             unit = part_len // count if count and part_len % count == 0 else 0

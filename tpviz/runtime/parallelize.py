@@ -1,41 +1,29 @@
-"""Plan styles -> DTensor placements and forward hooks, and installing real shards.
+"""Forward hooks from each style's placements, and installing real shards.
 
 The meta skeleton gets forward hooks only: they annotate a module's input and redistribute
-its output as its style says. Each real shard is wrapped as a DTensor (`DTensor.from_local`
-with the plan's placement and global shape) when it is installed, so nothing is ever built on
-meta but the skeleton. Inputs that arrive sharded are annotated with their true global size,
-so uneven splits (torch.chunk semantics) work where torch's stock styles assume equal
-shards. Packed and replicated tensors stay plain local tensors: a packed module's forward is
-an ordinary matmul on the rank's own blocks.
-"""
+its output as its style's `forward` says. Each real shard is wrapped as a DTensor
+(`DTensor.from_local` with the plan's placement and global shape) when it is installed, so
+nothing is ever built on meta but the skeleton. Inputs that arrive sharded are annotated with
+their true global size, so uneven splits (torch.chunk semantics) work where torch's stock
+styles assume equal shards. Packed and replicated tensors stay plain local tensors: a packed
+module's forward is an ordinary matmul on the rank's own blocks."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..checkpoint import dtype_name
 from ..plan import ResolvedPlan, TensorPlan
+from ..styles import STYLES, Forward
 
 
-@dataclass(frozen=True)
-class Layouts:
-    input: Placement  # how the input arrives
-    compute: Placement  # how the module wants it
-    output: Placement  # what the module hands on (as a local tensor)
-
-
-LAYOUTS: dict[str, Layouts] = {
-    "colwise": Layouts(Replicate(), Replicate(), Shard(-1)),
-    "colwise_gather_output": Layouts(Replicate(), Replicate(), Replicate()),
-    "rowwise": Layouts(Shard(-1), Shard(-1), Replicate()),
-    "rowwise_split_input": Layouts(Replicate(), Shard(-1), Replicate()),
-    "embedding_rowwise": Layouts(Replicate(), Replicate(), Replicate()),
-}
+def forward_of(plan: ResolvedPlan, module: str) -> Forward | None:
+    """The forward placements of `module`'s style; None: no hooks, plain local tensors."""
+    style = plan.module_styles.get(module)
+    return STYLES[style].forward if style is not None else None
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -46,44 +34,46 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _prepare_input(layouts: Layouts, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+def _prepare_input(forward: Forward, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    arrives, computes, _ = forward.placements
     x, *rest = inputs
     if not isinstance(x, DTensor):
         shape = tuple(x.shape)
-        if isinstance(layouts.input, Shard):  # the global size is the weight's input features
+        if isinstance(arrives, Shard):  # the global size is the weight's input features
             shape = (*shape[:-1], module.weight.shape[1])
         x = DTensor.from_local(
-            x, mesh, [layouts.input], run_check=False, shape=shape, stride=_contiguous_stride(shape)
+            x, mesh, [arrives], run_check=False, shape=shape, stride=_contiguous_stride(shape)
         )
-    if x.placements != (layouts.compute,):
-        x = x.redistribute(mesh, [layouts.compute])
+    if x.placements != (computes,):
+        x = x.redistribute(mesh, [computes])
     return (x, *rest)
 
 
-def _prepare_output(layouts: Layouts, module: nn.Module, output: DTensor, mesh: DeviceMesh):
-    if output.placements != (layouts.output,):
-        output = output.redistribute(mesh, [layouts.output])
+def _prepare_output(forward: Forward, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    hands_on = forward.placements[2]
+    if output.placements != (hands_on,):
+        output = output.redistribute(mesh, [hands_on])
     return output.to_local()
 
 
 def apply_styles(model: nn.Module, plan: ResolvedPlan, mesh: DeviceMesh) -> None:
     """Install the forward hooks of every module whose style redistributes activations."""
-    for name, style_name in plan.module_styles.items():
-        layouts = LAYOUTS.get(style_name)
-        if layouts is None:
+    for name in plan.module_styles:
+        forward = forward_of(plan, name)
+        if forward is None:
             continue  # packed / replicated: plain tensors, no hooks
         module = model.get_submodule(name)
         module.register_forward_pre_hook(
-            lambda mod, inputs, layouts=layouts: _prepare_input(layouts, mod, inputs, mesh)
+            lambda mod, inputs, forward=forward: _prepare_input(forward, mod, inputs, mesh)
         )
         module.register_forward_hook(
-            lambda mod, inputs, output, layouts=layouts: _prepare_output(layouts, mod, output, mesh)
+            lambda mod, inputs, output, forward=forward: _prepare_output(forward, output, mesh)
         )
 
 
 def is_distributed(plan: ResolvedPlan, entry: TensorPlan) -> bool:
     """Whether `entry` is held as a DTensor: every tensor of a module with hooks is."""
-    return plan.module_styles.get(entry.module) in LAYOUTS
+    return forward_of(plan, entry.module) is not None
 
 
 def owner_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:

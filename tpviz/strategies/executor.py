@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     # the one import of plan types in strategies/ (the others take them from here), for
     # annotations only: tpviz.plan imports the strategies to forecast while resolving
-    from ..plan import ResolvedPlan, TensorPlan
+    from ..plan.types import ResolvedPlan, TensorPlan
 
 Handle = Any  # a torch.Tensor in the runtime, its byte count when forecasting
 Unit = tuple[int, int, str, list["TensorPlan"]]  # index, number of units, module, its tensors

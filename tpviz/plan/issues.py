@@ -1,0 +1,172 @@
+"""What makes a plan wrong or doubtful: the issue collector and the checks that run once the
+skeleton has been walked (unsupported and unmatched keys, tied tensors, heads, replication).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .. import heads, styles
+from ..checkpoint import torch_dtype
+from ..format import fold_layers
+from ..models import HeadCounts
+from .patterns import CompiledPlan
+from .types import PlanIssue, TensorPlan
+
+MAX_ISSUES_PER_CODE = 10
+MOSTLY_REPLICATED = 0.5  # above this share of replicated bytes, a plan gets a warning
+
+# Module styles that compute with their parameters as plain tensors (None: no style given),
+# so a parameter re-placed by head is used as the rank's own rows.
+PLAIN_TENSOR_STYLES = {None, "replicate", "replicated_with_grad_allreduce", "local_params"}
+
+
+class Issues:
+    """Collects issues, keeping at most MAX_ISSUES_PER_CODE of each code plus a count."""
+
+    def __init__(self) -> None:
+        self.items: list[PlanIssue] = []
+        self.dropped: dict[str, int] = {}
+
+    def add(self, code: str, name: str, message: str) -> None:
+        if sum(i.code == code for i in self.items) < MAX_ISSUES_PER_CODE:
+            self.items.append(PlanIssue(code, name, message))
+        else:
+            self.dropped[code] = self.dropped.get(code, 0) + 1
+
+    def finish(self) -> list[PlanIssue]:
+        for code, n in self.dropped.items():
+            self.items.append(PlanIssue(code, "", f"... and {n} more {code} issue(s)"))
+        return self.items
+
+
+@dataclass
+class PlanIssues:
+    """A resolution's errors (the plan cannot run) and warnings (it runs, but look)."""
+
+    errors: Issues = field(default_factory=Issues)
+    warnings: Issues = field(default_factory=Issues)
+
+
+def report_unsupported(unsupported: dict[str, list[str]], errors: Issues) -> None:
+    """One error per known but unexecutable style, naming the modules it was given to."""
+    for style_name, mods in unsupported.items():
+        shown = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
+        errors.add(
+            "unsupported_style",
+            mods[0],
+            f"style {style_name!r} is not executable by tpviz (modules: {shown}); give these "
+            "modules another style, e.g. replicate",
+        )
+
+
+def report_unmatched(compiled: CompiledPlan, warnings: Issues) -> None:
+    for pattern in (k.pattern for k in compiled.keys if k.pattern not in compiled.used):
+        warnings.add(
+            "unmatched_pattern", pattern, f"plan key {pattern!r} matches no module or tensor"
+        )
+
+
+def check_tie(first: TensorPlan, name: str, dim: int | None, errors: Issues) -> None:
+    """Tensor `name` is tied to the earlier `first` and its own style would place it along
+    `dim`: tied tensors share one storage, so they must be placed alike."""
+    if dim != first.shard_dim:
+        errors.add(
+            "tied_mismatch",
+            name,
+            f"{name} is tied to {first.name}, but its style places it as "
+            f"{'replicate' if dim is None else f'shard({dim})'} while {first.name} is "
+            f"{first.placement}; tied tensors need styles that place them alike",
+        )
+
+
+def warn_if_mostly_replicated(entries: list[TensorPlan], world_size: int, warnings: Issues) -> None:
+    """A plan that shards nothing, or leaves over half of the bytes whole on every rank, saves
+    little memory: say so (transformers gives some architectures no TP plan at all)."""
+    if world_size < 2:
+        return
+    total = replicated = 0
+    for e in entries:
+        nbytes = e.nbytes
+        total += nbytes
+        replicated += nbytes if e.placement == "replicate" else 0
+    if not total:
+        return
+    share = replicated / total
+    if replicated < total and share <= MOSTLY_REPLICATED:
+        return
+    what = "the plan shards nothing: " if replicated == total else ""
+    warnings.add(
+        "mostly_replicated",
+        "",
+        f"{what}{share:.0%} of the model's bytes ({replicated} of {total}) are replicated, "
+        f"so every one of the {world_size} ranks holds them whole; give a plan that shards "
+        "the large tensors with --plan FILE.json (plan=...)",
+    )
+
+
+def check_heads(
+    skeleton: nn.Module,
+    counts: HeadCounts | None,
+    entries: list[TensorPlan],
+    module_styles: dict[str, str],
+    world_size: int,
+    issues: PlanIssues,
+) -> None:
+    """Refuse world sizes that cut a head; make parameters that hold one row per head follow
+    their heads (this may re-place entries and change `module_styles`)."""
+    cuts = heads.head_cuts(skeleton, module_styles, counts)
+    for module, message in heads.alignment_errors(cuts, world_size):
+        issues.errors.add("head_alignment", module, message)
+    found = heads.head_params(skeleton, cuts)
+    _place_head_params(found, entries, module_styles, world_size, issues)
+
+
+def _place_head_params(
+    found: list[heads.HeadParam],
+    entries: list[TensorPlan],
+    module_styles: dict[str, str],
+    world_size: int,
+    issues: PlanIssues,
+) -> None:
+    """Parameters that hold one row per head follow their heads (sharded by head where the
+    plan left them whole); a norm spanning all heads of a cut projection is refused."""
+    by_name = {e.name: e for e in entries}
+    resharded: dict[str, list[TensorPlan]] = {}  # layer-folded name -> entries
+    for hp in found:
+        entry = by_name.get(hp.name)
+        if entry is None:
+            continue
+        if hp.spans:
+            issues.errors.add(
+                "head_parameter",
+                hp.module,
+                f"{hp.module}: {hp.name} {entry.global_shape} spans the features of all heads "
+                f"of {hp.cut}, which the plan cuts by head, so no rank can apply it to its own "
+                "heads; gather its output instead (colwise_gather_output, and rowwise_split_input "
+                "on the output projection)",
+            )
+        elif entry.placement == "replicate" and module_styles.get(hp.module) in PLAIN_TENSOR_STYLES:
+            _shard_by_head(entry, world_size)
+            module_styles[hp.module] = "local_params"
+            resharded.setdefault(fold_layers(hp.name), []).append(entry)
+    for folded, same in resharded.items():
+        issues.warnings.add(
+            "sharded_by_head",
+            same[0].name,
+            f"{folded} ({len(same)} tensor(s), {same[0].global_shape}) holds one row per "
+            "head of a projection the plan cuts by head; tpviz shards it by head too "
+            "(shard(0)), so each rank applies its own heads' rows",
+        )
+
+
+def _shard_by_head(entry: TensorPlan, world_size: int) -> None:
+    """Re-place a replicated entry as colwise cuts it, shard(0) (the name given stays)."""
+    colwise = styles.canonical("colwise")
+    cut = colwise.cut(entry.name.rpartition(".")[2], len(entry.global_shape))
+    entry.style = colwise.name
+    entry.placement, entry.pattern = cut.placement, None
+    itemsize = torch_dtype(entry.dtype).itemsize
+    entry.ranks = cut.rank_shards(entry.global_shape, world_size, itemsize)

@@ -1,0 +1,103 @@
+"""Plan patterns and their precedence: which plan key decides the style of a module or tensor.
+
+A key matches a name that equals it or ends with it at a segment boundary; `*` stands for one
+numeric path segment. A parameter key beats a module key (see resolve.py); among the keys that
+match one name, explicit layer indices beat wildcards, then the longer pattern wins.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .. import styles
+from ..inputs import read_json
+from .types import PlanIssue
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """One plan key, compiled: what it matches and how strongly."""
+
+    pattern: str
+    style_given: str
+    regex: re.Pattern[str]
+    specificity: tuple[int, int]  # (explicit indices, length): higher wins
+
+    @classmethod
+    def compile(cls, pattern: str, style_given: str) -> PlanKey:
+        segments = pattern.split(".")
+        body = r"\.".join(r"\d+" if s == "*" else re.escape(s) for s in segments)
+        regex = re.compile(rf"(?:^|\.){body}$")
+        # explicit layer indices beat wildcards; then the longer pattern wins
+        specificity = (sum(seg.isdigit() for seg in segments), len(pattern))
+        return cls(pattern, style_given, regex, specificity)
+
+
+class CompiledPlan:
+    """Plan patterns compiled once. `*` matches one numeric path segment; a key matches a name
+    that equals it or ends with it at a segment boundary. `used`: the keys that matched."""
+
+    def __init__(self, patterns: Mapping[str, str]):
+        self.keys: list[PlanKey] = []
+        self.errors: list[PlanIssue] = []
+        self.used: set[str] = set()
+        for pattern, style_given in patterns.items():
+            issue = _style_issue(pattern, style_given)
+            if issue is not None:
+                self.errors.append(issue)
+            if isinstance(style_given, str):
+                self.keys.append(PlanKey.compile(pattern, style_given))
+
+    def best(self, name: str) -> PlanKey | None:
+        found = [k for k in self.keys if k.regex.search(name)]
+        for k in found:
+            self.used.add(k.pattern)
+        return max(found, key=lambda k: k.specificity) if found else None
+
+
+def _style_issue(pattern: str, style_given: Any) -> PlanIssue | None:
+    """What is wrong with the style a key gives. A known style tpviz cannot execute is no issue
+    here: it is reported per module, once the walk knows which modules it hits."""
+    if not isinstance(style_given, str):
+        message = f"plan key {pattern!r}: style must be a string, got {style_given!r}"
+        return PlanIssue("invalid_plan", pattern, message)
+    try:
+        styles.canonical(style_given)
+    except styles.UnknownStyle as e:
+        return PlanIssue("unknown_style", pattern, f"plan key {pattern!r}: {e}")
+    except styles.UnsupportedStyle:
+        pass
+    return None
+
+
+def load_plan_patterns(plan: Mapping[str, str] | str | os.PathLike | None) -> dict[str, str] | None:
+    """A pattern dict from a dict or a JSON file (`{pattern: style}` or transformers' form
+    `{"tp_plan": {...}, "base_model_tp_plan": {...}}`)."""
+    if plan is None:
+        return None
+    where = "the plan"
+    if isinstance(plan, (str, os.PathLike)):
+        where = f"plan file {plan}"
+        plan = read_json(plan, "plan file", unique_keys=True)
+    parts = [plan]
+    if isinstance(plan, Mapping) and ("tp_plan" in plan or "base_model_tp_plan" in plan):
+        parts = [plan.get("base_model_tp_plan") or {}, plan.get("tp_plan") or {}]
+    merged: dict[str, str] = {}
+    for part in parts:
+        if not isinstance(part, Mapping) or not all(isinstance(k, str) for k in part):
+            raise ValueError(
+                f"{where}: a plan must be a JSON object of pattern -> style (or transformers' "
+                f'{{"tp_plan": {{...}}, "base_model_tp_plan": {{...}}}}), got '
+                f"{type(part).__name__} {_short(part)}"
+            )
+        merged.update(part)
+    return merged
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -1,0 +1,191 @@
+"""Plan patterns -> ResolvedPlan: which style each tensor gets and what every rank holds.
+
+Pure: a meta skeleton and checkpoint headers in, plain JSON-serialisable data out. The walk
+(walk.py) places every tensor; the checks that need all of them (heads, checkpoint keys,
+replication) run after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint import Checkpoint, dtype_name, torch_dtype
+from ..keymap import match_checkpoint
+from ..models import ModelAdapter, adapter_for_module, build_skeleton, get_adapter, read_config
+from ..models.config import config_dtype
+from ..strategies import STRATEGIES, forecast
+from .issues import (
+    PlanIssues,
+    check_heads,
+    report_unmatched,
+    report_unsupported,
+    warn_if_mostly_replicated,
+)
+from .patterns import CompiledPlan, load_plan_patterns
+from .types import ResolvedPlan, TensorPlan
+from .walk import Walk
+
+
+def resolve_plan(
+    source: str | os.PathLike | nn.Module,
+    world_size: int,
+    plan: Mapping[str, str] | str | os.PathLike | ResolvedPlan | None = None,
+    dtype: str | torch.dtype | None = None,
+    model: str | None = None,
+    checkpoint: str | os.PathLike | None = None,
+) -> ResolvedPlan:
+    """Resolve a TP plan against a model and (optionally) its checkpoint, allocating nothing.
+
+    `source` is a checkpoint directory or file, a directory holding only config.json, or an
+    `nn.Module` (meta is fine) with an optional `checkpoint`. `plan` defaults to the model
+    family's plan. Problems are returned in `errors` / `warnings`, not raised.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    if isinstance(plan, ResolvedPlan):
+        if plan.world_size != world_size:
+            raise ValueError(
+                f"the plan was resolved for world size {plan.world_size}, not {world_size}"
+            )
+        return plan
+    with _gc_paused():
+        return _resolve_source(source, world_size, plan, dtype, model, checkpoint)
+
+
+@dataclass
+class _Model:
+    """What resolution reads: the meta skeleton, its adapter and config, the checkpoint."""
+
+    skeleton: nn.Module
+    adapter: ModelAdapter
+    config: dict[str, Any]
+    ckpt: Checkpoint | None
+    source: str | None  # the resolved source path; None for a module given directly
+
+
+def _resolve_source(
+    source: str | os.PathLike | nn.Module,
+    world_size: int,
+    plan: Mapping[str, str] | str | os.PathLike | None,
+    dtype: str | torch.dtype | None,
+    model: str | None,
+    checkpoint: str | os.PathLike | None,
+) -> ResolvedPlan:
+    if isinstance(source, nn.Module):
+        adapter = adapter_for_module(source)
+        ckpt = Checkpoint.open(checkpoint) if checkpoint is not None else None
+        found = _Model(source, adapter, adapter.config_of(source), ckpt, None)
+    else:
+        config = read_config(source)
+        adapter = get_adapter(config, model, source)
+        skeleton = build_skeleton(adapter, config)
+        ckpt = Checkpoint.open(checkpoint if checkpoint is not None else source)
+        found = _Model(skeleton, adapter, config, ckpt, str(Path(source).resolve()))
+    patterns = load_plan_patterns(plan)
+    if patterns is None:
+        patterns = found.adapter.default_plan(found.skeleton)
+    target = _target_dtype(dtype, found.config, found.ckpt)
+    return _resolve(found, world_size, patterns, target)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Resolution makes tens of thousands of small objects in a burst; right after importing
+    torch, the collections they trigger cost more than the resolution itself."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _target_dtype(
+    dtype: str | torch.dtype | None, config: dict[str, Any], ckpt: Checkpoint | None
+) -> torch.dtype:
+    if dtype:
+        given = dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype)
+        if not given.is_floating_point:
+            raise ValueError(f"dtype {dtype_name(given)}: weights load as a floating-point dtype")
+        return given
+    declared = config_dtype(config)
+    if declared and declared != "auto":
+        return torch_dtype(declared)
+    if ckpt and ckpt.has_weights:
+        floats = [t.dtype for t in ckpt.tensors.values() if torch_dtype(t.dtype).is_floating_point]
+        if floats:
+            return torch_dtype(max(set(floats), key=floats.count))
+    return torch.float32
+
+
+def _resolve(
+    found: _Model, world_size: int, patterns: Mapping[str, str], target: torch.dtype
+) -> ResolvedPlan:
+    compiled = CompiledPlan(patterns)
+    issues = PlanIssues()
+    for issue in compiled.errors:
+        issues.errors.add(issue.code, issue.name, issue.message)
+    walk = Walk(compiled, world_size, target, issues.errors)
+    for mod_name, module in found.skeleton.named_modules():
+        walk.visit(mod_name, module)
+    report_unsupported(walk.unsupported, issues.errors)
+    report_unmatched(compiled, issues.warnings)
+    counts = found.adapter.head_counts(found.config)
+    check_heads(found.skeleton, counts, walk.entries, walk.module_styles, world_size, issues)
+    _check_checkpoint(found, walk.entries, issues)
+    warn_if_mostly_replicated(walk.entries, world_size, issues.warnings)
+    return _plan(found, walk, world_size, target, patterns, issues)
+
+
+def _check_checkpoint(found: _Model, entries: list[TensorPlan], issues: PlanIssues) -> None:
+    """Files the checkpoint skips, and each loaded tensor's keys checked against the headers."""
+    ckpt = found.ckpt
+    if ckpt is None:
+        return
+    for file, why in ckpt.unused.items():
+        issues.warnings.add(
+            "unused_weights", file, f"{ckpt.path}/{file}: {why}; planned without it"
+        )
+    if ckpt.has_weights:
+        shapes = {k: info.shape for k, info in ckpt.tensors.items()}
+        keymap = found.adapter.checkpoint_map(found.skeleton, shapes)
+        match_checkpoint(entries, ckpt, keymap, issues.errors)
+
+
+def _plan(
+    found: _Model,
+    walk: Walk,
+    world_size: int,
+    target: torch.dtype,
+    patterns: Mapping[str, str],
+    issues: PlanIssues,
+) -> ResolvedPlan:
+    entries = walk.entries
+    plan = ResolvedPlan(
+        world_size=world_size,
+        dtype=dtype_name(target),
+        source=found.source,
+        params=entries,
+        per_rank_bytes=[sum(e.ranks[r].bytes for e in entries) for r in range(world_size)],
+        total_bytes=sum(e.nbytes for e in entries),
+        forecast={},
+        warnings=issues.warnings.finish(),
+        errors=issues.errors.finish(),
+        model=found.adapter.name,
+        module_styles=walk.module_styles,
+        has_weights=bool(found.ckpt and found.ckpt.has_weights),
+        patterns=dict(patterns),
+    )
+    init = "checkpoint" if plan.has_weights else "random"
+    plan.forecast = {s: forecast(plan, s, init=init).to_dict() for s in STRATEGIES}
+    return plan

@@ -1,0 +1,32 @@
+"""TP styles: one class per style (its cut, its forward, its cost) and the registry of names.
+
+Pure: the plan places tensors with a style's cut; the runtime installs the forward hooks its
+`forward` describes.
+"""
+
+from .base import ANY, EMBEDDING, LINEAR, Cut, Forward, Style
+from .registry import (
+    ALIASES,
+    DEFAULT_STYLE,
+    STYLES,
+    UNSUPPORTED,
+    UnknownStyle,
+    UnsupportedStyle,
+    canonical,
+)
+
+__all__ = [
+    "ALIASES",
+    "ANY",
+    "DEFAULT_STYLE",
+    "EMBEDDING",
+    "LINEAR",
+    "STYLES",
+    "UNSUPPORTED",
+    "Cut",
+    "Forward",
+    "Style",
+    "UnknownStyle",
+    "UnsupportedStyle",
+    "canonical",
+]

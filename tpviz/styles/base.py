@@ -1,0 +1,139 @@
+"""What every TP style is: its cut (which dim of each tensor is split, in how many packed
+parts), its forward (how activations are placed around the module) and its cost (what a rank
+holds, what the forward sends).
+
+Pure: torch's DTensor placements are built only when a forward runs (importing
+`torch.distributed.tensor` costs seconds, which `tpviz plan` does not need to pay).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from torch import nn
+
+from ..chunks import RankShard, local_shape, shard_blocks
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
+
+LINEAR = "linear"
+EMBEDDING = "embedding"
+ANY = "any"
+
+REPLICATE = "replicate"
+SHARD_FEATURES = "shard(-1)"  # an activation cut along its last (feature) dim
+
+
+def module_kind(module: nn.Module) -> str:
+    """The kind a style's `modules` names: LINEAR, EMBEDDING, or the class name."""
+    if isinstance(module, nn.Linear):
+        return LINEAR
+    if isinstance(module, nn.Embedding):
+        return EMBEDDING
+    return type(module).__name__
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """How one tensor is cut: along `dim` (None: whole on every rank) in `parts` packed parts,
+    each chunked over the ranks on its own (torch.chunk semantics)."""
+
+    dim: int | None
+    parts: int = 1
+
+    @property
+    def placement(self) -> str:
+        return REPLICATE if self.dim is None else f"shard({self.dim})"
+
+    def splits_evenly(self, shape: list[int]) -> bool:
+        """Whether the packed parts are equal (always true for an unpacked cut)."""
+        return self.parts == 1 or shape[self.dim] % self.parts == 0
+
+    def rank_shards(self, shape: list[int], world_size: int, itemsize: int) -> list[RankShard]:
+        """What each rank holds of a tensor of `shape`: its blocks, their local shape and bytes
+        (the memory cost of the cut)."""
+        out = []
+        for rank, blocks in enumerate(shard_blocks(shape, self.dim, world_size, self.parts)):
+            lshape = local_shape(shape, self.dim, blocks)
+            out.append(RankShard(rank, lshape, math.prod(lshape) * itemsize, blocks))
+        return out
+
+
+@dataclass(frozen=True)
+class Forward:
+    """How a module's activations are placed when its tensors are DTensors: how the input
+    arrives, how the module computes on it, what it hands on (as a local tensor), and the
+    collective that costs."""
+
+    input: str
+    compute: str
+    output: str
+    collective: str
+
+    @functools.cached_property
+    def placements(self) -> tuple[Placement, Placement, Placement]:
+        """(input, compute, output) as DTensor placements on the one mesh dim."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        def placement(text: str) -> Placement:
+            return Shard(-1) if text == SHARD_FEATURES else Replicate()
+
+        return placement(self.input), placement(self.compute), placement(self.output)
+
+
+class Style:
+    """One TP style. A subclass sets the class attributes; the registry holds one instance."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    modules: ClassVar[tuple[str, ...]] = (ANY,)  # module kinds the style applies to
+    weight_dim: ClassVar[int | None] = None  # dim of the weight that is sharded; None: whole
+    bias_sharded: ClassVar[bool] = False
+    packed_parts: ClassVar[int] = 1  # fused parts along `weight_dim`, each chunked on its own
+    local_output: ClassVar[bool] = False  # output stays sharded: the next module sees a part
+    local_input: ClassVar[bool] = False  # input arrives sharded on its last dim
+    places_params: ClassVar[bool] = True  # False: each tensor is placed by its own key
+    # None: the module computes on plain local tensors (no hooks, nothing sent)
+    forward: ClassVar[Forward | None] = None
+
+    @property
+    def forward_collective(self) -> str:
+        """What the module's forward sends between ranks."""
+        return self.forward.collective if self.forward else "none"
+
+    @property
+    def model_sees_cut(self) -> bool:
+        """Whether the model computes on the cut features themselves: colwise's output stays
+        cut along the weight's rows, rowwise's input arrives cut along its columns."""
+        return (self.weight_dim == 0 and self.local_output) or (
+            self.weight_dim == 1 and self.local_input
+        )
+
+    def applies_to(self, module: nn.Module) -> bool:
+        return ANY in self.modules or module_kind(module) in self.modules
+
+    def wanted_module(self) -> str:
+        """The module class the style needs, as an error message names it."""
+        return "nn.Linear" if LINEAR in self.modules else "nn.Embedding"
+
+    def placement_dim(self, param_name: str, ndim: int) -> int | None:
+        """Sharded dim of parameter `param_name` with `ndim` dims under this style; None:
+        replicate. A bias follows `bias_sharded`; any other parameter is cut like the weight,
+        and a 1-D one (attention sinks) along its only dim, as transformers does."""
+        if param_name == "bias":
+            return 0 if self.bias_sharded else None
+        if self.weight_dim is None or ndim == 0:
+            return None
+        return min(self.weight_dim, ndim - 1)
+
+    def cut(self, param_name: str, ndim: int) -> Cut:
+        """How this style cuts parameter `param_name` with `ndim` dims."""
+        dim = self.placement_dim(param_name, ndim)
+        return Cut(dim, self.packed_parts if dim is not None else 1)
+
+    def __repr__(self) -> str:
+        return f"<style {self.name}>"

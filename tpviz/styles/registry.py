@@ -1,0 +1,96 @@
+"""The one place style names live: v5 names and v4 aliases -> style instances.
+
+Adding a style: a module with its class, and a line in `STYLES` below.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from .base import Style
+from .colwise import Colwise
+from .colwise_gather_output import ColwiseGatherOutput
+from .embedding_rowwise import EmbeddingRowwise
+from .packed_colwise import PackedColwise
+from .replicated import LocalParams, MlaKvAProj, Replicate, ReplicatedWithGradAllreduce
+from .rowwise import Rowwise
+from .rowwise_split_input import RowwiseSplitInput
+
+# In this order: widgets colour and list styles by it.
+STYLES: dict[str, Style] = {
+    style.name: style
+    for style in (
+        Colwise(),
+        Rowwise(),
+        ColwiseGatherOutput(),
+        RowwiseSplitInput(),
+        EmbeddingRowwise(),
+        PackedColwise(),
+        ReplicatedWithGradAllreduce(),
+        MlaKvAProj(),
+        LocalParams(),
+        Replicate(),
+    )
+}
+
+# Names transformers 4.x used for the same behaviour.
+ALIASES: dict[str, str] = {
+    "colwise_rep": "colwise_gather_output",
+    "rowwise_rep": "rowwise_split_input",
+    "local_colwise": "colwise",
+    "local_rowwise": "rowwise",
+}
+
+# Styles transformers ships that tpviz recognises but cannot execute (yet).
+UNSUPPORTED: frozenset[str] = frozenset(
+    {
+        "embedding_colwise",
+        "packed_rowwise",
+        "local_packed_rowwise",
+        "sequence_parallel",
+        "all_reduce",
+        "moe_tp_experts",
+        "moe_identity_expert",
+        "ep_router",
+        "grouped_gemm",
+        "isolated",
+        "gather",
+        "local",
+    }
+)
+
+DEFAULT_STYLE = "replicate"
+
+
+class UnknownStyle(ValueError):
+    def __init__(self, name: str):
+        self.name = name
+        close = difflib.get_close_matches(name, [*STYLES, *ALIASES], n=5, cutoff=0.5)
+        # suggest canonical names only; an alias that matched first is shown beside its name
+        via: dict[str, str | None] = {}
+        for match in close:
+            via.setdefault(ALIASES.get(match, match), match if match in ALIASES else None)
+        self.suggestions = list(via)[:3]
+        hint = ", ".join(f"{s} (v4 alias {via[s]})" if via[s] else s for s in self.suggestions)
+        aliases = ", ".join(f"{a} = {c}" for a, c in ALIASES.items())
+        super().__init__(
+            f"unknown TP style {name!r}"
+            + (f"; did you mean {hint}?" if hint else "")
+            + f" (valid: {', '.join(STYLES)}; v4 aliases: {aliases})"
+        )
+
+
+class UnsupportedStyle(ValueError):
+    def __init__(self, name: str):
+        self.name = name
+        super().__init__(f"TP style {name!r} is known but tpviz cannot execute it")
+
+
+def canonical(name: str) -> Style:
+    """The style for a v5 name or v4 alias; raises UnknownStyle / UnsupportedStyle."""
+    key = ALIASES.get(name, name)
+    if key in STYLES:
+        return STYLES[key]
+    if key in UNSUPPORTED:
+        raise UnsupportedStyle(name)
+    raise UnknownStyle(name)
