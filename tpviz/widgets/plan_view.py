@@ -46,8 +46,10 @@ def badge(style: str, given: str | None = None) -> str:
     )
 
 
-def issues_html(plan: ResolvedPlan | None, failure: str | None = None) -> str:
-    """Errors, then warnings, each on its own line; a clear line when there are none."""
+def issues_html(
+    plan: ResolvedPlan | None, failure: str | None = None, clear: str = "no warnings or errors"
+) -> str:
+    """Errors, then warnings, each on its own line; the `clear` line when there are none."""
     lines = [f'<div class="error">{escape(failure)}</div>'] if failure else []
     if plan is not None:
         lines += [
@@ -59,7 +61,7 @@ def issues_html(plan: ResolvedPlan | None, failure: str | None = None) -> str:
             for i in plan.warnings
         ]
     if not lines:
-        lines = ['<div class="ok">no warnings or errors</div>']
+        lines = [f'<div class="ok">{escape(clear)}</div>']
     return f'<div class="tpviz-issues">{"".join(lines)}</div>'
 
 
