@@ -107,7 +107,9 @@ def plan_table_figure(plan: ResolvedPlan) -> go.Figure:
         if t.tied_to:
             label += f" (tied: {', '.join(t.tied_to)})"
         cells = [label, style, placement, shape_text(shape), *(shape_text(s) for s in shapes)]
-        cells.append(" / ".join(sorted({human_bytes(s.bytes) for s in t.ranks}, key=len)))
+        # the distinct sizes in rank order (a set would order equal-length texts by hash)
+        sizes = dict.fromkeys(human_bytes(s.bytes) for s in t.ranks)
+        cells.append(" / ".join(sorted(sizes, key=len)))
         for column, cell in zip(columns, cells):
             column.append(cell)
     headers = ["tensor", "style", "placement", "global", *[f"rank {r}" for r in range(w)]]
