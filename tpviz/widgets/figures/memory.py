@@ -9,7 +9,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from .memory_series import MemoryRun
-from .palette import in_unit, rank_color, titled, unit_for
+from .palette import UNITS, in_unit, rank_color, titled, unit_for
 
 # measure -> (label, what it counts)
 MEASURES: dict[str, tuple[str, str]] = {
@@ -41,31 +41,34 @@ def rank_traces(run: MemoryRun, rank: int, measure: str, unit: str = "MiB") -> l
     """The rank's memory line, then its forecast final shard and forecast peak (dashed), in
     `unit`. The legend lists the memory lines only, grouped by load: a click toggles the load's
     lines and forecasts together, so overlaid loads stay a short legend."""
-    color = rank_color(run.color_offset + rank)
+    return [_memory_line(run, rank, measure, unit), *_forecast_lines(run, rank, measure, unit)]
+
+
+def _memory_line(run: MemoryRun, rank: int, measure: str, unit: str) -> go.Scatter:
     xs, ys = run.series.xy(rank, measure)
-    group = run.label
-    traces = [
-        go.Scatter(
-            x=xs,
-            y=in_unit(ys, unit),
-            mode="lines",
-            line={"color": color, "width": 2},
-            name=f"{run.label} rank {rank}",
-            legendgroup=group,
-            legendgrouptitle={"text": run.label},
-            hovertemplate=f"%{{y:.2f}} {unit} at %{{x:.2f}} s",
-            meta={"kind": "memory", "rank": rank, "run": run.label},
-        )
-    ]
+    return go.Scatter(
+        x=xs,
+        y=in_unit(ys, unit),
+        mode="lines",
+        line={"color": rank_color(run.color_offset + rank), "width": 2},
+        name=f"{run.label} rank {rank}",
+        legendgroup=run.label,
+        legendgrouptitle={"text": run.label},
+        hovertemplate=f"%{{y:.2f}} {unit} at %{{x:.2f}} s",
+        meta={"kind": "memory", "rank": rank, "run": run.label},
+    )
+
+
+def _forecast_lines(run: MemoryRun, rank: int, measure: str, unit: str) -> list[go.Scatter]:
+    """The forecast final shard and peak as flat lines over the run's time span; drawn empty
+    while a forecast or the baseline it sits on is unknown."""
     span = _time_span(run, measure)
-    offset = 0
-    if measure in ABSOLUTE_MEASURES:
-        base = run.series.baseline(rank)
-        offset = getattr(base, measure) if base is not None else None
+    offset = _baseline_offset(run, rank, measure)
     # a peak equal to the shard (sliced without staging copies) is one line, labelled both
     same = run.peak_bytes.get(rank) is not None and run.peak_bytes.get(rank) == run.shard_bytes.get(
         rank
     )
+    traces = []
     for kind, values, dash, label in (
         ("forecast_shard", run.shard_bytes, "dash", "forecast shard = peak" if same else None),
         ("forecast_peak", run.peak_bytes, "dashdot", None),
@@ -77,16 +80,25 @@ def rank_traces(run: MemoryRun, rank: int, measure: str, unit: str = "MiB") -> l
                 x=span if shown else [],
                 y=in_unit([value + offset] * 2, unit) if shown else [],
                 mode="lines",
-                line={"color": color, "width": 1, "dash": dash},
+                line={"color": rank_color(run.color_offset + rank), "width": 1, "dash": dash},
                 name=f"{run.label} rank {rank} {label or kind.replace('_', ' ')}",
                 visible=not (same and kind == "forecast_peak"),
-                legendgroup=group,
+                legendgroup=run.label,
                 showlegend=False,
                 hovertemplate=f"%{{y:.2f}} {unit}",
                 meta={"kind": kind, "rank": rank, "run": run.label},
             )
         )
     return traces
+
+
+def _baseline_offset(run: MemoryRun, rank: int, measure: str) -> int | None:
+    """What a forecast line sits on: 0 for measures that count from loading, the rank's
+    baseline for absolute ones (None until that baseline is sampled)."""
+    if measure not in ABSOLUTE_MEASURES:
+        return 0
+    base = run.series.baseline(rank)
+    return getattr(base, measure) if base is not None else None
 
 
 def _time_span(run: MemoryRun, measure: str) -> list[float]:
@@ -107,7 +119,9 @@ def _time_span(run: MemoryRun, measure: str) -> list[float]:
 
 def memory_unit(runs: Sequence[MemoryRun]) -> str:
     """The unit of a memory chart: from the largest forecast of its runs."""
-    return unit_for(max((v for r in runs for v in r.peak_bytes.values()), default=0) or 2**20)
+    return unit_for(
+        max((v for r in runs for v in r.peak_bytes.values()), default=0) or UNITS["MiB"]
+    )
 
 
 def memory_layout(measure: str, unit: str = "MiB") -> dict[str, Any]:
