@@ -79,7 +79,9 @@ class Dashboard(widgets.VBox):
             continuous_update=False,
             layout=widgets.Layout(width="520px"),
         )
-        self.strategy = widgets.Dropdown(options=STRATEGIES, value=strategy, description="strategy")
+        self.strategy = widgets.Dropdown(
+            options=list(STRATEGIES), value=strategy, description="strategy"
+        )
         self.dtype = widgets.Dropdown(
             options=[("checkpoint's", ""), *((d, d) for d in ("float32", "bfloat16", "float16"))],
             description="dtype",
