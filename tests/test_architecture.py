@@ -1,5 +1,6 @@
-"""The import graph of tpviz, read from the source with `ast` (function-level imports
-included): no cycle anywhere, and the pure core imports nothing from the edges."""
+"""The shape of tpviz, read from the source with `ast`: in the import graph (function-level
+imports included) no cycle anywhere and the pure core imports nothing from the edges; no
+module over 400 lines and no function over 60."""
 
 from __future__ import annotations
 
@@ -141,3 +142,32 @@ def test_the_core_imports_nothing_from_the_edges():
         if under(dep, EDGES)
     )
     assert not bad, "core module depends on an edge: " + "; ".join(bad)
+
+
+# Size keeps the code readable (DESIGN.md, principle 6): no module over ~400 lines, no function
+# over ~60, counted from the `def` line (decorators aside) to the function's last line.
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def relative(path: Path) -> str:
+    return str(path.relative_to(PACKAGE.parent))
+
+
+def test_no_module_is_over_400_lines():
+    sizes = {relative(p): len(p.read_text().splitlines()) for p in modules().values()}
+    over = [f"{path}: {n} lines" for path, n in sorted(sizes.items()) if n > MAX_MODULE_LINES]
+    message = f"modules over {MAX_MODULE_LINES} lines; split them by concern:\n"
+    assert not over, message + "\n".join(over)
+
+
+def test_no_function_is_over_60_lines():
+    over = []
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_FUNCTION_LINES:
+                    over.append(f"{relative(path)}:{node.lineno} {node.name}: {size} lines")
+    message = f"functions over {MAX_FUNCTION_LINES} lines; split them into named steps:\n"
+    assert not over, message + "\n".join(over)

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import nbformat
@@ -276,6 +277,27 @@ def plots(scope: Page | Locator) -> list[dict]:
     )
 
 
+def settled_plots(
+    scope: Locator, ready: Callable[[list[dict]], bool], timeout_s: float = 30
+) -> list[dict]:
+    """`plots(scope)` once `ready` says so, or as they are after `timeout_s` (for the test's
+    assertion to judge): a FigureWidget's data reaches the page after the HTML widgets set
+    before it, much later on a loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    while not ready(graphs := plots(scope)) and time.monotonic() < deadline:
+        scope.page.wait_for_timeout(250)
+    return graphs
+
+
+def traces(graphs: list[dict]) -> list[dict]:
+    return [t for g in graphs for t in g["traces"]]
+
+
+def bars(graphs: list[dict]) -> list[dict]:
+    """The traces of the bytes-by-style chart: one per style."""
+    return [t for t in traces(graphs) if t["meta"].get("style")]
+
+
 def test_live_load_notebook_in_the_browser(lab, browser):
     url = lab
     page, console = open_notebook(browser, url, "02_live_load.ipynb")
@@ -330,7 +352,9 @@ def test_plan_view_notebook_in_the_browser(lab, browser):
         view.locator("details").first.wait_for(timeout=60_000)
         assert view.locator("details").count() == 2  # one per layer
         assert view.locator(".tpviz-badge").count() > 10
-        graphs = plots(view)
+        graphs = settled_plots(
+            view, lambda gs: any(t["meta"].get("kind") == "block" for t in traces(gs))
+        )
         blocks = [t for g in graphs for t in g["traces"] if t["meta"].get("kind") == "block"]
         assert {t["meta"]["rank"] for t in blocks} == {0, 1}
         page.wait_for_timeout(500)
@@ -344,7 +368,8 @@ def test_plan_view_notebook_in_the_browser(lab, browser):
         box.fill("4")
         box.press("Enter")
         view.get_by_text("no warnings or errors").wait_for(timeout=30_000)
-        styled = [t for g in plots(view) for t in g["traces"] if t["meta"].get("style")]
+        graphs = settled_plots(view, lambda gs: {t["points"] for t in bars(gs)} == {4})
+        styled = bars(graphs)
         assert styled and all(t["points"] == 4 for t in styled)  # a bar per rank, 4 ranks
         assert console.ours() == [], "\n".join(console.ours())
     finally:

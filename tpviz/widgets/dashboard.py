@@ -14,7 +14,7 @@ from typing import Any
 import ipywidgets as widgets
 import torch
 
-from ..format import human_bytes
+from ..format import human_bytes, verdict
 from ..launcher import LoadError, LoadJob, launch
 from ..models.demo import PRESETS, cache_dir, demo_checkpoint
 from ..plan import STRATEGIES, ResolvedPlan, load_plan_patterns, resolve_plan
@@ -42,7 +42,30 @@ class Dashboard(widgets.VBox):
         cache: str | os.PathLike | None = None,
     ):
         self.cache = Path(cache) if cache is not None else cache_dir()
+        self.plan_view: PlanView | None = None
+        self.monitors: list[LoadMonitor] = []
+        self.job: LoadJob | None = None
+        self._patterns: dict[str, str] | None = None  # the editor's last valid plan
+        self._editing = False
+        self._world_size = world_size
         devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        self._build_controls(source, preset, strategy, devices)
+        self._build_views(devices[0])
+        super().__init__(
+            [
+                widgets.HBox([self.model, self.source]),
+                widgets.HBox([self.strategy, self.dtype, self.device, self.verify, self.profile]),
+                widgets.HBox([self.load_button, self.status]),
+                self.tabs,
+            ]
+        )
+        self._wire_callbacks()
+        self.open_source()
+
+    def _build_controls(
+        self, source: str | os.PathLike | None, preset: str, strategy: str, devices: list[str]
+    ) -> None:
+        """The choices above the tabs: model or demo, directory, options, the Load button."""
         self.model = widgets.Dropdown(
             # "" rather than None: a Dropdown shows a None value as no selection at all
             options=[("checkpoint directory", ""), *((f"demo: {p}", p) for p in PRESETS)],
@@ -66,6 +89,12 @@ class Dashboard(widgets.VBox):
         self.device = widgets.Dropdown(options=devices, description="device")
         self.verify = widgets.Checkbox(value=True, description="verify", indent=False)
         self.profile = widgets.Checkbox(value=False, description="profile", indent=False)
+        self.load_button = widgets.Button(description="Load", icon="play", button_style="primary")
+        self.status = widgets.HTML()
+
+    def _build_views(self, device: str) -> None:
+        """The two tabs: the plan (editor, validation, PlanView) and the loads (shared memory
+        chart, the latest monitor, the comparison table)."""
         self.plan_editor = widgets.Textarea(
             rows=8,
             continuous_update=True,
@@ -73,20 +102,10 @@ class Dashboard(widgets.VBox):
             layout=widgets.Layout(width="100%"),
         )
         self.validation = widgets.HTML()
-        self.load_button = widgets.Button(description="Load", icon="play", button_style="primary")
-        self.load_button.on_click(lambda _: self.load())
-        self.status = widgets.HTML()
-        self.chart = MemoryChart(figures.default_measure(devices[0]))
-        self.device.observe(self._on_device, "value")
+        self.plan_box = widgets.VBox()
+        self.chart = MemoryChart(figures.default_measure(device))
         self.monitor_box = widgets.VBox()
         self.comparison = widgets.HTML()
-        self.plan_box = widgets.VBox()
-        self.plan_view: PlanView | None = None
-        self.monitors: list[LoadMonitor] = []
-        self.job: LoadJob | None = None
-        self._patterns: dict[str, str] | None = None  # the editor's last valid plan
-        self._editing = False
-        self._world_size = world_size
         plan_tab = widgets.VBox(
             [
                 widgets.HTML("<b>Plan</b> (JSON: pattern → style; validated as you type)"),
@@ -97,19 +116,14 @@ class Dashboard(widgets.VBox):
         )
         load_tab = widgets.VBox([self.chart.widget, self.monitor_box, self.comparison])
         self.tabs = widgets.Tab([plan_tab, load_tab], titles=("Plan", "Load"))
-        super().__init__(
-            [
-                widgets.HBox([self.model, self.source]),
-                widgets.HBox([self.strategy, self.dtype, self.device, self.verify, self.profile]),
-                widgets.HBox([self.load_button, self.status]),
-                self.tabs,
-            ]
-        )
+
+    def _wire_callbacks(self) -> None:
+        self.load_button.on_click(lambda _: self.load())
+        self.device.observe(self._on_device, "value")
         self.model.observe(lambda _: self.open_source(), "value")
         self.source.observe(lambda _: self.open_source(), "value")
         self.dtype.observe(self._on_dtype, "value")
         self.plan_editor.observe(self._on_plan_text, "value")
-        self.open_source()
 
     # --- choosing and resolving -------------------------------------------------------------
 
@@ -194,13 +208,9 @@ class Dashboard(widgets.VBox):
             self.plan_view.set_plan(plan)
 
     def _on_plan_change(self, plan: ResolvedPlan) -> None:
-        if plan.errors or plan.warnings:
-            self.validation.value = issues_html(plan)
-        else:
-            self.validation.value = (
-                '<div class="tpviz-issues"><div class="ok">plan valid: no warnings or errors; '
-                "ready to load</div></div>"
-            )
+        self.validation.value = issues_html(
+            plan, clear="plan valid: no warnings or errors; ready to load"
+        )
 
     def _on_dtype(self, _change: dict[str, Any]) -> None:
         if self.plan is None:
@@ -225,7 +235,7 @@ class Dashboard(widgets.VBox):
         elif plan.errors:
             reason = "the plan has errors: see the Plan tab"
         if reason:
-            self.status.value = f'<span style="color:#b00020">{escape(reason)}</span>'
+            self.status.value = _error_html(reason)
             return None
         self.shutdown()
         strategy = self.strategy.value
@@ -243,7 +253,7 @@ class Dashboard(widgets.VBox):
                 profile_dir=profile_dir,
             )
         except (ValueError, LoadError) as e:
-            self.status.value = f'<span style="color:#b00020">{escape(str(e))}</span>'
+            self.status.value = _error_html(str(e))
             return None
         used = sum(m.job is not None and m.job.options.strategy == strategy for m in self.monitors)
         label = strategy if not used else f"{strategy} #{used + 1}"
@@ -306,6 +316,10 @@ class Dashboard(widgets.VBox):
         self.comparison.value = comparison_html(self.monitors)
 
 
+def _error_html(reason: str) -> str:
+    return f'<span style="color:#b00020">{escape(reason)}</span>'
+
+
 def comparison_html(monitors: list[LoadMonitor]) -> str:
     """One row per finished load: time, the largest peaks against forecast, verification."""
     rows = []
@@ -321,7 +335,7 @@ def comparison_html(monitors: list[LoadMonitor]) -> str:
             human_bytes(max(x["peak_rss_bytes"] for x in ranks)),
             human_bytes(max(x["peak_tensor_bytes"] for x in ranks)),
             human_bytes(max(x["forecast_peak_bytes"] for x in ranks)),
-            {True: "ok", False: "FAILED", None: "-"}[verify],
+            "-" if verify is None else verdict(verify),
         ]
         rows.append("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
     if not rows:

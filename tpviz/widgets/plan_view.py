@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable
+from copy import deepcopy
 from html import escape
 from typing import Any
 
@@ -46,8 +47,10 @@ def badge(style: str, given: str | None = None) -> str:
     )
 
 
-def issues_html(plan: ResolvedPlan | None, failure: str | None = None) -> str:
-    """Errors, then warnings, each on its own line; a clear line when there are none."""
+def issues_html(
+    plan: ResolvedPlan | None, failure: str | None = None, clear: str = "no warnings or errors"
+) -> str:
+    """Errors, then warnings, each on its own line; the `clear` line when there are none."""
     lines = [f'<div class="error">{escape(failure)}</div>'] if failure else []
     if plan is not None:
         lines += [
@@ -59,7 +62,7 @@ def issues_html(plan: ResolvedPlan | None, failure: str | None = None) -> str:
             for i in plan.warnings
         ]
     if not lines:
-        lines = ['<div class="ok">no warnings or errors</div>']
+        lines = [f'<div class="ok">{escape(clear)}</div>']
     return f'<div class="tpviz-issues">{"".join(lines)}</div>'
 
 
@@ -137,6 +140,12 @@ def replace_figure(widget: FigureWidget, fig: go.Figure) -> None:
     widget.data = ()
     widget.add_traces(fig.data)
     widget.layout = fig.layout
+    # The edits above reach the browser as messages, which it drops while plotly's front end
+    # is still loading; a view reads the figure from the widget's state when it first renders,
+    # and plotly refreshes that state only when the widget itself is displayed, never as a
+    # child of a box: refresh it here.
+    widget._widget_data = deepcopy(widget._data)
+    widget._widget_layout = deepcopy(widget._layout_obj._props)
 
 
 class PlanView(widgets.VBox):
@@ -164,9 +173,12 @@ class PlanView(widgets.VBox):
         )
         self.style_filter = widgets.Dropdown(description="style")
         self.issues = widgets.HTML()
-        self.bytes_figure = FigureWidget()
+        # drawn from the start: the state a FigureWidget opens with always reaches the browser
+        self.bytes_figure = FigureWidget(figures.bytes_by_style_figure(plan))
         self.tensor = widgets.Dropdown(description="tensor", layout=widgets.Layout(width="600px"))
-        self.block_figure = FigureWidget()
+        self.block_figure = FigureWidget(
+            figures.block_diagram_figure(figures.representative_tensor(plan.params))
+        )
         self.table = widgets.HTML()
         self.world_size.observe(self._on_world_size, "value")
         self.name_filter.observe(self._on_filter, "value")

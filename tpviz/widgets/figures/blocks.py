@@ -1,0 +1,158 @@
+"""One tensor drawn to scale as its ranks hold it: each rank's blocks a rectangle in the rank's
+colour, a replicated tensor one hatched rectangle, an empty rank a legend entry."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from ...format import human_bytes, shape_text
+from ...plan import Block, RankShard, TensorPlan
+from .palette import rank_color, titled
+
+Rect = tuple[int, int, int, int]  # x0, x1, y0, y1
+
+
+def block_diagram_figure(tensor: TensorPlan) -> go.Figure:
+    """The tensor drawn to scale, each block a rectangle in its owning rank's colour."""
+    ndim = len(tensor.global_shape)
+    fig = go.Figure()
+    if tensor.shard_dim is None:
+        fig.add_trace(_replicated_trace(tensor))
+    label_x, label_y, labels = [], [], []
+    for shard in tensor.ranks if tensor.shard_dim is not None else []:
+        if not shard.blocks:
+            fig.add_trace(_empty_rank_trace(shard))
+            continue
+        rects = [block_rect(b, ndim) for b in shard.blocks]
+        fig.add_trace(_rank_blocks_trace(shard, rects))
+        for i, (x0, x1, y0, y1) in enumerate(rects):
+            part = f" · part {i + 1}" if len(rects) > 1 else ""
+            label_x.append((x0 + x1) / 2)
+            label_y.append((y0 + y1) / 2)
+            labels.append(f"rank {shard.rank}{part}<br>{shape_text(shard.blocks[i].shape)}")
+    if labels:
+        fig.add_scatter(
+            x=label_x,
+            y=label_y,
+            text=labels,
+            mode="text",
+            textfont={"color": "white"},
+            showlegend=False,
+            hoverinfo="skip",
+            meta={"kind": "label"},
+        )
+    _block_axes(fig, tensor)
+    return fig
+
+
+def block_rect(block: Block, ndim: int) -> Rect:
+    """(x0, x1, y0, y1) of a block: x spans dim 1 (columns), y dim 0 (rows); a 1-D tensor is
+    one row along x."""
+    if ndim == 0:
+        return 0, 1, 0, 1
+    if ndim == 1:
+        return block.offset[0], block.offset[0] + block.shape[0], 0, 1
+    return (
+        block.offset[1],
+        block.offset[1] + block.shape[1],
+        block.offset[0],
+        block.offset[0] + block.shape[0],
+    )
+
+
+def _polygons(rects: list[Rect]) -> tuple[list, list]:
+    """The rectangles as one filled line trace's points: closed outlines split by None."""
+    xs: list[float | None] = []
+    ys: list[float | None] = []
+    for x0, x1, y0, y1 in rects:
+        xs += [x0, x1, x1, x0, x0, None]
+        ys += [y0, y0, y1, y1, y0, None]
+    return xs, ys
+
+
+def _replicated_trace(tensor: TensorPlan) -> go.Scatter:
+    """The whole tensor, hatched grey: every rank holds all of it."""
+    ndim = len(tensor.global_shape)
+    xs, ys = _polygons([block_rect(Block([0] * ndim, list(tensor.global_shape)), ndim)])
+    return go.Scatter(
+        x=xs,
+        y=ys,
+        fill="toself",
+        mode="lines",
+        line={"color": "#555", "width": 1},
+        fillcolor="#d9d9d9",
+        fillpattern={"shape": "/", "fgcolor": "#888"},
+        name=f"replicated: all {len(tensor.ranks)} rank(s) hold it",
+        hoveron="fills",
+        meta={"kind": "replicated", "ranks": [s.rank for s in tensor.ranks]},
+    )
+
+
+def _empty_rank_trace(shard: RankShard) -> go.Scatter:
+    """No points, only a legend entry: torch.chunk left this rank nothing."""
+    return go.Scatter(
+        x=[None],
+        y=[None],
+        mode="markers",
+        marker={"color": rank_color(shard.rank), "symbol": "square-open", "size": 12},
+        name=f"rank {shard.rank}: empty ({shape_text(shard.shape)})",
+        meta={"kind": "empty", "rank": shard.rank},
+    )
+
+
+def _rank_blocks_trace(shard: RankShard, rects: list[Rect]) -> go.Scatter:
+    """The rank's blocks (one per part for packed styles), filled in its colour."""
+    xs, ys = _polygons(rects)
+    return go.Scatter(
+        x=xs,
+        y=ys,
+        fill="toself",
+        mode="lines",
+        line={"color": "white", "width": 1},
+        fillcolor=rank_color(shard.rank),
+        name=f"rank {shard.rank}: {shape_text(shard.shape)} · {human_bytes(shard.bytes)}",
+        hoveron="fills",
+        meta={"kind": "block", "rank": shard.rank},
+    )
+
+
+def _edges(tensor: TensorPlan, dim: int) -> list[int]:
+    """Block boundaries along `dim`, so the axis reads where each cut falls."""
+    edges = {0, tensor.global_shape[dim]}
+    for shard in tensor.ranks:
+        for b in shard.blocks:
+            edges.update((b.offset[dim], b.offset[dim] + b.shape[dim]))
+    return sorted(edges)
+
+
+def _block_axes(fig: go.Figure, tensor: TensorPlan) -> None:
+    # every tensor sets the same layout keys: a FigureWidget swapping diagrams keeps stale ones
+    shape = tensor.global_shape
+    ndim = len(shape)
+    note = " (dims 2+ not drawn)" if ndim > 2 else ""
+    rank_shapes = ", ".join(f"rank {s.rank} {shape_text(s.shape)}" for s in tensor.ranks)
+    if any(not s.blocks for s in tensor.ranks):
+        rank_shapes += " (torch.chunk leaves trailing ranks empty)"
+    fig.update_layout(
+        title=titled(
+            f"{tensor.name} {shape_text(shape)}: {tensor.placement}, {tensor.style}{note}",
+            rank_shapes,
+        ),
+        plot_bgcolor="white",
+        margin={"t": 80, "b": 40},
+        showlegend=True,
+        height=460 if ndim >= 2 else 240,
+    )
+    if ndim >= 2:
+        x = {"title": "dim 1", "range": [0, shape[1]], "tickvals": _edges(tensor, 1)}
+        y = {"title": "dim 0", "range": [shape[0], 0], "tickvals": _edges(tensor, 0)}
+        # to scale: a row is as tall as a column is wide
+        y.update(visible=True, scaleanchor="x", scaleratio=1, constrain="domain")
+    else:
+        length = shape[0] if ndim else 1
+        edges = _edges(tensor, 0) if ndim else [0, 1]
+        x = {"title": "dim 0" if ndim else "scalar", "range": [0, length], "tickvals": edges}
+        y = {"title": "", "range": [1, 0], "tickvals": [0, 1]}
+        y.update(visible=False, scaleanchor=False, scaleratio=1, constrain="range")
+    fig.update_xaxes(showgrid=False, **x)
+    fig.update_yaxes(showgrid=False, **y)

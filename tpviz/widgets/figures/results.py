@@ -1,0 +1,117 @@
+"""A finished load in figures: per-rank summary rows, a headline, the verification in words,
+and peaks measured beside forecasts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+
+from ...format import human_bytes, verdict
+from .palette import in_unit, titled, unit_for
+
+
+def summary_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The per-rank summary of a load: time, peak against forecast, params against plan."""
+    cuda = any("peak_cuda_allocated_bytes" in r for r in result["ranks"])
+    headers = [
+        "rank",
+        "load s",
+        "peak RSS growth",
+        "forecast peak",
+        "peak tensors",
+        *(["peak CUDA allocated"] if cuda else []),
+        "param bytes",
+        "plan bytes",
+        "params = plan",
+    ]
+    rows = []
+    for r in result["ranks"]:
+        rows.append(
+            [
+                str(r["rank"]),
+                f"{r['seconds']:.2f}",
+                human_bytes(r["peak_rss_bytes"]),
+                human_bytes(r["forecast_peak_bytes"]),
+                human_bytes(r["peak_tensor_bytes"]),
+                *([human_bytes(r.get("peak_cuda_allocated_bytes"))] if cuda else []),
+                human_bytes(r["param_bytes"]),
+                human_bytes(r["planned_bytes"]),
+                "yes" if r["param_bytes"] == r["planned_bytes"] else "NO",
+            ]
+        )
+    return headers, rows
+
+
+def headline(result: dict[str, Any]) -> str:
+    """One line: strategy, ranks, dtype, times and whether the shards match the plan."""
+    parts = [
+        f"{result.get('strategy', 'load')} on {len(result['ranks'])} "
+        f"{result.get('device', '')} rank(s)".replace("  ", " ")
+    ]
+    if result.get("dtype"):
+        parts.append(result["dtype"])
+    if "load_seconds" in result:
+        parts.append(f"load {result['load_seconds']:.2f} s")
+    if "startup_seconds" in result:
+        parts.append(f"startup {result['startup_seconds']:.2f} s")
+    if "plan_matches_shards" in result:
+        parts.append(f"shards match the plan: {'yes' if result['plan_matches_shards'] else 'NO'}")
+    return ", ".join(parts)
+
+
+def verify_text(result: dict[str, Any]) -> str | None:
+    """The verification result in words, or None when the load was not verified."""
+    verify = result.get("verify")
+    if not verify:
+        return None
+    outcome = verdict(verify.get("ok"))
+    if "max_abs_diff" not in verify:
+        return f"verification {outcome}: {verify.get('error') or verify.get('note', '')}"
+    return (
+        f"verification {outcome}: max |logits − reference| = {verify['max_abs_diff']:.3g} "
+        f"(tolerance {verify['tolerance']:g})"
+    )
+
+
+def summary_figure(result: dict[str, Any]) -> go.Figure:
+    headers, rows = summary_rows(result)
+    fig = go.Figure(
+        go.Table(
+            header={"values": headers, "align": "left"},
+            cells={"values": [list(c) for c in zip(*rows)] if rows else [], "align": "left"},
+        )
+    )
+    lines = [headline(result)]
+    if text := verify_text(result):
+        lines.append(text)
+    fig.update_layout(
+        title=titled(lines[0], " · ".join(lines[1:])),
+        height=150 + 28 * len(rows),
+        margin={"t": 80, "b": 10},
+    )
+    return fig
+
+
+def peaks_figure(results: Sequence[dict[str, Any]]) -> go.Figure:
+    """Each rank's measured peaks beside its forecasts, for loads drawn without their events."""
+    x = [f"{res.get('strategy', 'load')} rank {r['rank']}" for res in results for r in res["ranks"]]
+    ranks = [r for res in results for r in res["ranks"]]
+    unit = unit_for(max((r["forecast_peak_bytes"] for r in ranks), default=0))
+    fig = go.Figure()
+    for key, name in (
+        ("peak_rss_bytes", "peak RSS growth"),
+        ("peak_tensor_bytes", "peak tensor bytes"),
+        ("forecast_peak_bytes", "forecast peak"),
+        ("planned_bytes", "forecast final shard (plan)"),
+    ):
+        fig.add_bar(x=x, y=in_unit([r[key] for r in ranks], unit), name=name)
+    fig.update_layout(
+        barmode="group",
+        title=titled("Peak memory per rank", "peak RSS growth counts mmap'd checkpoint pages too"),
+        yaxis={"title": unit},
+        height=400,
+        margin={"t": 80},
+    )
+    return fig
