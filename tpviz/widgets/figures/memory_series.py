@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...events import Event, Memory, Phase
+from ...events import LAUNCHER_RANK, Event, Memory, Phase
 from ...plan import ResolvedPlan, forecast
 
 MAX_POINTS = 4000  # per memory line: bounds what each redraw sends to the browser
@@ -27,7 +27,7 @@ class MemorySeries:
 
     def add(self, events: Iterable[Event]) -> None:
         for e in events:
-            if e.rank < 0:
+            if e.rank == LAUNCHER_RANK:
                 continue  # the launcher's own events
             if isinstance(e, Memory):
                 self.samples.setdefault(e.rank, []).append(e)
