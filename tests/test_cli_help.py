@@ -44,10 +44,14 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"tpviz {tpviz.__version__}"
 
 
-def test_strategy_choices_are_the_registry():
-    """The CLI spells the names out so that `--help` stays free of torch; they must be the
-    registry's, in its order."""
-    from tpviz.cli_parser import STRATEGIES as cli_names
+def test_the_choices_mirror_their_registries():
+    """The CLI and the Dashboard take their choices from tpviz.choices, spelled out so that
+    `--help` stays free of torch; they must be the registries', in their order."""
+    from tpviz import choices
+    from tpviz.models.demo import PRESETS
+    from tpviz.safetensors_header import torch_dtype
     from tpviz.strategies import STRATEGIES
 
-    assert cli_names == tuple(STRATEGIES)
+    assert choices.STRATEGIES == tuple(STRATEGIES)
+    assert choices.PRESETS == tuple(PRESETS)
+    assert all(torch_dtype(d).is_floating_point for d in choices.TARGET_DTYPES)

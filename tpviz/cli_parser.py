@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from .choices import PRESETS, STRATEGIES, TARGET_DTYPES
+
 DESCRIPTION = "`tpviz ...`: make checkpoints, show plans, load, compare strategies, and the demo."
 SOURCE_HELP = "checkpoint dir (Hugging Face layout), or a dir holding only config.json"
-# the names of tpviz.strategies.STRATEGIES (a test keeps them equal), spelled out so that
-# `tpviz --help` does not import torch
-STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
 JSON_HELP = "print the result as JSON on stdout (also on failure, then with errors)"
-PRESETS = ["tiny", "small", "medium"]
-DTYPES = ["float32", "bfloat16", "float16"]
 
 
 def _shared(p: argparse.ArgumentParser) -> None:
@@ -19,7 +16,7 @@ def _shared(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", help="plan file: {pattern: style} or transformers' tp_plan form")
     p.add_argument(
         "--dtype",
-        choices=DTYPES,
+        choices=TARGET_DTYPES,
         help="target dtype (default: the checkpoint's)",
     )
     p.add_argument("--model", default="auto", help="auto, builtin, hf or PKG.MOD:FN (default auto)")
@@ -119,7 +116,7 @@ def _make_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--dtype",
-        choices=DTYPES,
+        choices=TARGET_DTYPES,
         default="float32",
         help="dtype of the stored tensors (default float32)",
     )

@@ -14,6 +14,7 @@ from typing import Any
 import ipywidgets as widgets
 import torch
 
+from ..choices import TARGET_DTYPES
 from ..format import human_bytes, verdict
 from ..launcher import LoadError, LoadJob, launch
 from ..models.demo import PRESETS, cache_dir, demo_checkpoint
@@ -83,7 +84,7 @@ class Dashboard(widgets.VBox):
             options=list(STRATEGIES), value=strategy, description="strategy"
         )
         self.dtype = widgets.Dropdown(
-            options=[("checkpoint's", ""), *((d, d) for d in ("float32", "bfloat16", "float16"))],
+            options=[("checkpoint's", ""), *((d, d) for d in TARGET_DTYPES)],
             description="dtype",
         )
         self.device = widgets.Dropdown(options=devices, description="device")
