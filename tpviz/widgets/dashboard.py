@@ -304,7 +304,7 @@ class Dashboard(widgets.VBox):
     def _on_finished(self, monitor: LoadMonitor) -> None:
         self.load_button.disabled = False
         result = monitor.result
-        profile = (result or {}).get("profile")
+        profile = result.profile if result is not None else None
         if result is None:
             self.status.value = escape(f"{monitor.label}: {monitor.job.state}")
         elif profile:
@@ -328,14 +328,14 @@ def comparison_html(monitors: list[LoadMonitor]) -> str:
         r = m.result
         if r is None:
             continue
-        ranks = r["ranks"]
-        verify = (r.get("verify") or {}).get("ok")
+        ranks = r.ranks
+        verify = (r.verify or {}).get("ok")
         cells = [
             m.label,
-            f"{r['load_seconds']:.2f}",
-            human_bytes(max(x["peak_rss_bytes"] for x in ranks)),
-            human_bytes(max(x["peak_tensor_bytes"] for x in ranks)),
-            human_bytes(max(x["forecast_peak_bytes"] for x in ranks)),
+            f"{r.load_seconds:.2f}",
+            human_bytes(max(x.peak_rss_bytes for x in ranks)),
+            human_bytes(max(x.peak_tensor_bytes for x in ranks)),
+            human_bytes(max(x.forecast_peak_bytes for x in ranks)),
             "-" if verify is None else verdict(verify),
         ]
         rows.append("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")

@@ -22,7 +22,7 @@ from ..format import human_bytes
 from ..launcher import LoadError, LoadJob
 from ..plan import ResolvedPlan
 from ..report import html_page, load_parts, plan_parts
-from ..results import LoadResult
+from ..results import LoadResult, RankResult
 from ..tracking import ProgressTracker
 from . import figures
 from .throttle import Schedule, Throttle, timer_thread
@@ -277,8 +277,9 @@ class LoadMonitor(widgets.VBox):
 
     def _note_forecasts(self, event: Done) -> None:
         """Without a job, a rank's result is where its forecasts come from."""
-        self.run.shard_bytes.setdefault(event.rank, event.result["planned_bytes"])
-        self.run.peak_bytes.setdefault(event.rank, event.result["forecast_peak_bytes"])
+        entry = RankResult.of(event.result)
+        self.run.shard_bytes.setdefault(event.rank, entry.planned_bytes)
+        self.run.peak_bytes.setdefault(event.rank, entry.forecast_peak_bytes)
 
     def _state(self) -> JobState:
         if self.job is not None:

@@ -3,18 +3,22 @@ and peaks measured beside forecasts."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
 
 from ...format import human_bytes, verdict
+from ...results import LoadResult
 from .palette import in_unit, titled, unit_for
 
+Result = LoadResult | Mapping[str, Any]  # a load result, typed or as its JSON
 
-def summary_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+
+def summary_rows(result: Result) -> tuple[list[str], list[list[str]]]:
     """The per-rank summary of a load: time, peak against forecast, params against plan."""
-    cuda = any("peak_cuda_allocated_bytes" in r for r in result["ranks"])
+    result = LoadResult.of(result)
+    cuda = any(r.peak_cuda_allocated_bytes is not None for r in result.ranks)
     headers = [
         "rank",
         "load s",
@@ -27,43 +31,41 @@ def summary_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         "params = plan",
     ]
     rows = []
-    for r in result["ranks"]:
+    for r in result.ranks:
         rows.append(
             [
-                str(r["rank"]),
-                f"{r['seconds']:.2f}",
-                human_bytes(r["peak_rss_bytes"]),
-                human_bytes(r["forecast_peak_bytes"]),
-                human_bytes(r["peak_tensor_bytes"]),
-                *([human_bytes(r.get("peak_cuda_allocated_bytes"))] if cuda else []),
-                human_bytes(r["param_bytes"]),
-                human_bytes(r["planned_bytes"]),
-                "yes" if r["param_bytes"] == r["planned_bytes"] else "NO",
+                str(r.rank),
+                f"{r.seconds:.2f}",
+                human_bytes(r.peak_rss_bytes),
+                human_bytes(r.forecast_peak_bytes),
+                human_bytes(r.peak_tensor_bytes),
+                *([human_bytes(r.peak_cuda_allocated_bytes)] if cuda else []),
+                human_bytes(r.param_bytes),
+                human_bytes(r.planned_bytes),
+                "yes" if r.param_bytes == r.planned_bytes else "NO",
             ]
         )
     return headers, rows
 
 
-def headline(result: dict[str, Any]) -> str:
+def headline(result: Result) -> str:
     """One line: strategy, ranks, dtype, times and whether the shards match the plan."""
-    parts = [
-        f"{result.get('strategy', 'load')} on {len(result['ranks'])} "
-        f"{result.get('device', '')} rank(s)".replace("  ", " ")
-    ]
-    if result.get("dtype"):
-        parts.append(result["dtype"])
-    if "load_seconds" in result:
-        parts.append(f"load {result['load_seconds']:.2f} s")
-    if "startup_seconds" in result:
-        parts.append(f"startup {result['startup_seconds']:.2f} s")
-    if "plan_matches_shards" in result:
-        parts.append(f"shards match the plan: {'yes' if result['plan_matches_shards'] else 'NO'}")
+    result = LoadResult.of(result)
+    parts = [f"{result.strategy} on {len(result.ranks)} {result.device or ''} rank(s)"]
+    parts[0] = parts[0].replace("  ", " ")
+    if result.dtype:
+        parts.append(result.dtype)
+    parts.append(f"load {result.load_seconds:.2f} s")
+    if result.startup_seconds is not None:
+        parts.append(f"startup {result.startup_seconds:.2f} s")
+    if result.plan_matches_shards is not None:
+        parts.append(f"shards match the plan: {'yes' if result.plan_matches_shards else 'NO'}")
     return ", ".join(parts)
 
 
-def verify_text(result: dict[str, Any]) -> str | None:
+def verify_text(result: Result) -> str | None:
     """The verification result in words, or None when the load was not verified."""
-    verify = result.get("verify")
+    verify = LoadResult.of(result).verify
     if not verify:
         return None
     outcome = verdict(verify.get("ok"))
@@ -75,7 +77,7 @@ def verify_text(result: dict[str, Any]) -> str | None:
     )
 
 
-def summary_figure(result: dict[str, Any]) -> go.Figure:
+def summary_figure(result: Result) -> go.Figure:
     headers, rows = summary_rows(result)
     fig = go.Figure(
         go.Table(
@@ -94,11 +96,12 @@ def summary_figure(result: dict[str, Any]) -> go.Figure:
     return fig
 
 
-def peaks_figure(results: Sequence[dict[str, Any]]) -> go.Figure:
+def peaks_figure(results: Sequence[Result]) -> go.Figure:
     """Each rank's measured peaks beside its forecasts, for loads drawn without their events."""
-    x = [f"{res.get('strategy', 'load')} rank {r['rank']}" for res in results for r in res["ranks"]]
-    ranks = [r for res in results for r in res["ranks"]]
-    unit = unit_for(max((r["forecast_peak_bytes"] for r in ranks), default=0))
+    typed = [LoadResult.of(res) for res in results]
+    x = [f"{res.strategy} rank {r.rank}" for res in typed for r in res.ranks]
+    ranks = [r for res in typed for r in res.ranks]
+    unit = unit_for(max((r.forecast_peak_bytes for r in ranks), default=0))
     fig = go.Figure()
     for key, name in (
         ("peak_rss_bytes", "peak RSS growth"),
@@ -106,7 +109,7 @@ def peaks_figure(results: Sequence[dict[str, Any]]) -> go.Figure:
         ("forecast_peak_bytes", "forecast peak"),
         ("planned_bytes", "forecast final shard (plan)"),
     ):
-        fig.add_bar(x=x, y=in_unit([r[key] for r in ranks], unit), name=name)
+        fig.add_bar(x=x, y=in_unit([getattr(r, key) for r in ranks], unit), name=name)
     fig.update_layout(
         barmode="group",
         title=titled("Peak memory per rank", "peak RSS growth counts mmap'd checkpoint pages too"),
