@@ -64,7 +64,9 @@ class RankResult(_JsonMapping):
 
     rank: int
     seconds: float  # this rank's own loading
-    load_seconds: float  # barrier (all ready) to barrier (all loaded)
+    # barrier (all ready) to barrier (all loaded), as this rank saw it; not in the load JSON
+    # contract, so results written elsewhere may lack it
+    load_seconds: float | None = None
     param_bytes: int
     planned_bytes: int
     peak_rss_bytes: int
@@ -134,7 +136,7 @@ class LoadResult(_JsonMapping):
             source=plan.source,
             startup_seconds=max(ready, default=started) - started,
             startup_phases=startup_phases(started, startup_marks),
-            load_seconds=max(r.load_seconds for r in ranks),
+            load_seconds=slowest_load(ranks),
             plan_matches_shards=all(r.plan_matches_shards for r in ranks),
             ranks=ranks,
             warnings=[asdict(w) for w in plan.warnings],
@@ -145,6 +147,11 @@ class LoadResult(_JsonMapping):
             result.profile = {"dir": profile_dir, "ranks": [r.profile for r in ranks]}
         result.output_errors = collect_output_errors([r.to_dict() for r in ranks]) or None
         return result
+
+
+def slowest_load(ranks: Sequence[RankResult]) -> float:
+    """The job's load time: the largest of its ranks' barrier-to-barrier times."""
+    return max((r.load_seconds for r in ranks if r.load_seconds is not None), default=0.0)
 
 
 def startup_phases(

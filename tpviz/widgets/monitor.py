@@ -22,7 +22,7 @@ from ..format import human_bytes
 from ..launcher import LoadError, LoadJob
 from ..plan import ResolvedPlan
 from ..report import html_page, load_parts, plan_parts
-from ..results import LoadResult, RankResult
+from ..results import LoadResult, RankResult, slowest_load
 from ..tracking import ProgressTracker
 from . import figures
 from .throttle import Schedule, Throttle, timer_thread
@@ -350,7 +350,7 @@ class LoadMonitor(widgets.VBox):
             entries = self.tracker.results() or []
             self.result = LoadResult(
                 strategy=self.label,
-                load_seconds=max(e.load_seconds for e in entries),
+                load_seconds=slowest_load(entries),
                 ranks=entries,
             )
         if self.result is not None and state not in (JobState.FAILED, JobState.CANCELLED):
