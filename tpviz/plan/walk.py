@@ -72,6 +72,7 @@ class Walk:
     def visit(self, mod_name: str, module: nn.Module) -> None:
         direct = _direct_tensors(mod_name, module)
         if not direct:
+            self._visit_tensorless(mod_name, module)
             return
         module_key = self.compiled.best(mod_name)  # looked up even when unused: marks it used
         weight_key = None
@@ -93,6 +94,19 @@ class Walk:
             self.entries.append(entry)
             if t.kind == "parameter":
                 self.by_id[id(t.value)] = entry
+
+    def _visit_tensorless(self, mod_name: str, module: nn.Module) -> None:
+        """A module without tensors of its own (an identity expert, shared experts holding
+        only submodules) still runs a forward its style may act on around it: one that sums
+        or splits partial outputs (`all_reduce`, `moe_identity_expert`). Other styles on it
+        stay unused, as before (their keys are reported unmatched)."""
+        key = self.compiled.peek(mod_name)
+        style = (
+            styles.STYLES.get(styles.ALIASES.get(key.style_given, key.style_given)) if key else None
+        )
+        if style and style.forward and not style.forward.on_dtensors:
+            self.compiled.best(mod_name)  # marks the key used
+            self.module_styles[mod_name] = style.name
 
     def _forward_style(
         self, key: PlanKey | None, mod_name: str, module: nn.Module
