@@ -26,10 +26,9 @@ MODELS = {  # name: (model_type, config overrides)
         dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=64),
     ),
     "olmoe": ("olmoe", dict(intermediate_size=48, num_experts=4)),
-    # 42 intermediate features: 11, 11, 11, 9 at world size 4 (torch.chunk semantics)
     "qwen3_moe": (
         "qwen3_moe",
-        dict(num_experts=4, moe_intermediate_size=42, head_dim=16, num_key_value_heads=4),
+        dict(num_experts=4, moe_intermediate_size=48, head_dim=16, num_key_value_heads=4),
     ),
 }
 EXPERTS = "model.layers.{}.mlp.experts"
@@ -107,13 +106,30 @@ def test_shared_experts_follow_their_plan(moe):
     assert cut.tensor("model.layers.1.mlp.shared_expert.gate_proj.weight").placement == "shard(0)"
 
 
-def test_an_uneven_intermediate_size_follows_torch_chunk(moe):
-    plan = tpviz.resolve_plan(moe["qwen3_moe"], 4)  # 42 features over 4 ranks
+def test_an_uneven_expert_split_is_refused_with_the_world_sizes_that_work(tmp_path, cli):
+    """transformers' experts kernel (grouped matmul) needs equal slices on every rank: 42
+    intermediate features over 4 ranks (torch.chunk: 11, 11, 11, 9) are refused before launch."""
+    config = config_of("mixtral")
+    config.intermediate_size, config.num_key_value_heads = 42, 4
+    config.save_pretrained(tmp_path)
+    plan = tpviz.resolve_plan(tmp_path, 4)
+    assert {e.code for e in plan.errors} == {"uneven_experts"}
+    error = plan.errors[0]
+    assert error.name == f"{EXPERTS.format(0)}.gate_up_proj"
+    assert "world sizes that work: 1, 2, 3, 6, 7, 14, 21, 42" in error.message
+    assert cli("plan", str(tmp_path), "--world-size", "4").returncode == 2
+    assert not tpviz.resolve_plan(tmp_path, 2).errors
+    with pytest.raises(tpviz.PlanError, match="uneven_experts|intermediate features"):
+        tpviz.launch(tmp_path, 4, init="random")
+
+
+def test_an_even_split_over_four_ranks(moe):
+    plan = tpviz.resolve_plan(moe["qwen3_moe"], 4)  # 48 features over 4 ranks
     assert not plan.errors, plan.errors
     down = plan.tensor(f"{EXPERTS.format(1)}.down_proj")
-    assert [r.shape[2] for r in down.ranks] == [11, 11, 11, 9]
+    assert [r.shape[2] for r in down.ranks] == [12] * 4
     gate_up = plan.tensor(f"{EXPERTS.format(1)}.gate_up_proj")
-    assert [r.shape[1] for r in gate_up.ranks] == [22, 22, 22, 18]
+    assert [r.shape[1] for r in gate_up.ranks] == [24] * 4
 
 
 def test_moe_checkpoints_plan_from_the_command_line(moe, cli):
@@ -163,7 +179,7 @@ def test_mixtral_matches_transformers_under_every_strategy(moe, strategy):
         ("qwen2_moe", 2, "float32"),  # shared expert and its gate
         ("olmoe", 2, "float32"),  # attention gathered for its q/k norms
         ("qwen3_moe_stacked", 2, "float32"),  # a checkpoint already stacked
-        ("qwen3_moe", 4, "float32"),  # 42 intermediate features: 11, 11, 11, 9
+        ("qwen3_moe", 4, "float32"),
         ("qwen3_moe", 2, "bfloat16"),
     ],
 )

@@ -168,8 +168,25 @@ class Walk:
                 f"to split into {cut.parts} equal parts",
             )
             cut = styles.Cut(cut.dim)
+        if forward and forward.needs_even_split and cut.dim is not None:
+            self._check_expert_split(t.name, shape[cut.dim] // cut.parts)
         key = own_key or forward_key
         return self._entry(t, style, key, cut, shape)
+
+    def _check_expert_split(self, name: str, features: int) -> None:
+        """Experts cut by TP run transformers' experts kernel on every rank's slices; its
+        grouped matmul needs equal, aligned slices, so an uneven split is refused before launch
+        (the plan itself would follow torch.chunk semantics)."""
+        if features % self.world_size == 0:
+            return
+        works = ", ".join(str(n) for n in range(1, min(features, 64) + 1) if features % n == 0)
+        self.errors.add(
+            "uneven_experts",
+            name,
+            f"{name}: {features} intermediate features of every expert cannot be split evenly "
+            f"over {self.world_size} ranks (transformers' experts kernel needs equal slices); "
+            f"world sizes that work: {works}",
+        )
 
     def _entry(
         self,

@@ -106,6 +106,7 @@ class Style:
     local_output: ClassVar[bool] = False  # output stays sharded: the next module sees a part
     local_input: ClassVar[bool] = False  # input arrives sharded on its last dim
     places_params: ClassVar[bool] = True  # False: each tensor is placed by its own key
+    needs_even_split: ClassVar[bool] = False  # its tensors' cuts must give equal slices
     # None: the module computes on plain local tensors (no hooks, nothing sent)
     forward: ClassVar[Forward | None] = None
 

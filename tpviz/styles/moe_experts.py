@@ -13,6 +13,8 @@ class MoeTpExperts(Style):
         "keys, e.g. packed_colwise / rowwise) on a replicated input; partial outputs all-reduced"
     )
     places_params = False
+    # transformers' experts kernel (a grouped matmul) needs equal slices on every rank
+    needs_even_split = True
     # the router is replicated, so every rank picks the same experts; a rank's output is its
     # term of the sum over the cut intermediate features
     forward = Forward(REPLICATE, PARTIAL, REPLICATE, collective="all-reduce of the output")
