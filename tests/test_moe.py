@@ -185,3 +185,39 @@ def test_mixtral_matches_transformers_under_every_strategy(moe, strategy):
 )
 def test_moe_logits_match_transformers(moe, name, world_size, dtype):
     _load_and_compare(moe[name], world_size, dtype)
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down_proj = torch.nn.Parameter(torch.empty(4, 8, 6))
+        self.identity_expert = torch.nn.Identity()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = _Experts()
+        self.shared = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 8))
+
+
+def test_partial_sum_styles_reach_modules_without_tensors_of_their_own():
+    """An identity expert and shared experts holding only submodules get their styles (the
+    runtime divides the identity's input and all-reduces the shared experts' output)."""
+    with torch.device("meta"):
+        model = _Block()
+    plan = tpviz.resolve_plan(
+        model,
+        2,
+        {
+            "experts": "moe_tp_experts",
+            "experts.down_proj": "rowwise",
+            "experts.identity_expert": "moe_identity_expert",
+            "shared": "all_reduce",
+        },
+    )
+    assert not plan.errors, plan.errors
+    assert not [w for w in plan.warnings if w.code == "unmatched_pattern"]
+    assert plan.module_styles["experts.identity_expert"] == "moe_identity_expert"
+    assert plan.module_styles["shared"] == "all_reduce"
+    assert plan.tensor("experts.down_proj").placement == "shard(2)"
