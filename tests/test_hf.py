@@ -186,7 +186,7 @@ def _weight_std(model, name):
     return local_of(model.get_parameter(name)).std().item()
 
 
-def test_moe_expert_styles_are_reported_before_launch(tmp_path, cli):
+def test_moe_expert_styles_plan_and_styles_still_unsupported_are_reported(tmp_path, cli):
     config = transformers.MixtralConfig(
         vocab_size=1000,
         hidden_size=64,
@@ -197,12 +197,17 @@ def test_moe_expert_styles_are_reported_before_launch(tmp_path, cli):
         num_local_experts=4,
     )
     config.save_pretrained(tmp_path / "mixtral")
-    result = cli("plan", str(tmp_path / "mixtral"), "--world-size", "2", "--json")
+    # transformers' MoE plan (moe_tp_experts) is executed now: tests/test_moe.py loads it
+    assert cli("plan", str(tmp_path / "mixtral"), "--world-size", "2").returncode == 0
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps({"layers.*.mlp.experts": "grouped_gemm"}))
+    args = ("plan", str(tmp_path / "mixtral"), "--world-size", "2", "--json")
+    result = cli(*args, "--plan", str(plan_file))
     assert result.returncode == 2
     (error,) = [e for e in json.loads(result.stdout)["errors"] if e["code"] == "unsupported_style"]
-    assert "moe_tp_experts" in error["message"] and "model.layers.0.mlp.experts" in error["message"]
-    with pytest.raises(tpviz.PlanError, match="moe_tp_experts"):
-        tpviz.launch(tmp_path / "mixtral", 2, init="random")
+    assert "grouped_gemm" in error["message"] and "model.layers.0.mlp.experts" in error["message"]
+    with pytest.raises(tpviz.PlanError, match="grouped_gemm"):
+        tpviz.launch(tmp_path / "mixtral", 2, plan_file, init="random")
 
 
 @pytest.mark.slow  # a fresh interpreter without transformers

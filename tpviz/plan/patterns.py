@@ -52,6 +52,11 @@ class CompiledPlan:
             if isinstance(style_given, str):
                 self.keys.append(PlanKey.compile(pattern, style_given))
 
+    def peek(self, name: str) -> PlanKey | None:
+        """The key `best` would give `name`, without marking any key used."""
+        found = [k for k in self.keys if k.regex.search(name)]
+        return max(found, key=lambda k: k.specificity) if found else None
+
     def best(self, name: str) -> PlanKey | None:
         found = [k for k in self.keys if k.regex.search(name)]
         for k in found:

@@ -72,6 +72,7 @@ class Walk:
     def visit(self, mod_name: str, module: nn.Module) -> None:
         direct = _direct_tensors(mod_name, module)
         if not direct:
+            self._visit_tensorless(mod_name, module)
             return
         module_key = self.compiled.best(mod_name)  # looked up even when unused: marks it used
         weight_key = None
@@ -93,6 +94,19 @@ class Walk:
             self.entries.append(entry)
             if t.kind == "parameter":
                 self.by_id[id(t.value)] = entry
+
+    def _visit_tensorless(self, mod_name: str, module: nn.Module) -> None:
+        """A module without tensors of its own (an identity expert, shared experts holding
+        only submodules) still runs a forward its style may act on around it: one that sums
+        or splits partial outputs (`all_reduce`, `moe_identity_expert`). Other styles on it
+        stay unused, as before (their keys are reported unmatched)."""
+        key = self.compiled.peek(mod_name)
+        style = (
+            styles.STYLES.get(styles.ALIASES.get(key.style_given, key.style_given)) if key else None
+        )
+        if style and style.forward and not style.forward.on_dtensors:
+            self.compiled.best(mod_name)  # marks the key used
+            self.module_styles[mod_name] = style.name
 
     def _forward_style(
         self, key: PlanKey | None, mod_name: str, module: nn.Module
@@ -154,8 +168,25 @@ class Walk:
                 f"to split into {cut.parts} equal parts",
             )
             cut = styles.Cut(cut.dim)
+        if forward and forward.needs_even_split and cut.dim is not None:
+            self._check_expert_split(t.name, shape[cut.dim] // cut.parts)
         key = own_key or forward_key
         return self._entry(t, style, key, cut, shape)
+
+    def _check_expert_split(self, name: str, features: int) -> None:
+        """Experts cut by TP run transformers' experts kernel on every rank's slices; its
+        grouped matmul needs equal, aligned slices, so an uneven split is refused before launch
+        (the plan itself would follow torch.chunk semantics)."""
+        if features % self.world_size == 0:
+            return
+        works = ", ".join(str(n) for n in range(1, min(features, 64) + 1) if features % n == 0)
+        self.errors.add(
+            "uneven_experts",
+            name,
+            f"{name}: {features} intermediate features of every expert cannot be split evenly "
+            f"over {self.world_size} ranks (transformers' experts kernel needs equal slices); "
+            f"world sizes that work: {works}",
+        )
 
     def _entry(
         self,

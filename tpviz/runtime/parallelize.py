@@ -11,13 +11,14 @@ module's forward is an ordinary matmul on the rank's own blocks."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..checkpoint import dtype_name
 from ..plan import ResolvedPlan, TensorPlan
-from ..styles import STYLES, Forward
+from ..styles import PARTIAL, REPLICATE, STYLES, Forward
 
 
 def forward_of(plan: ResolvedPlan, module: str) -> Forward | None:
@@ -56,6 +57,30 @@ def _prepare_output(forward: Forward, output: DTensor, mesh: DeviceMesh) -> torc
     return output.to_local()
 
 
+def _split_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    """A replicated input made a partial one: every rank holds 1/world of it."""
+    x, *rest = inputs
+    return (x / mesh.size(), *rest)
+
+
+def _sum_output(module: nn.Module, inputs: tuple, output: torch.Tensor, mesh: DeviceMesh):
+    """A partial output summed across the ranks, in place on the plain local tensor."""
+    if output is not None:
+        dist.all_reduce(output, group=mesh.get_group())
+    return output
+
+
+def _install_partial_hooks(module: nn.Module, forward: Forward, mesh: DeviceMesh) -> None:
+    """Hooks of a module computing a partial sum on plain local tensors (MoE experts): what
+    DTensor would do for Replicate -> Partial (divide) and Partial -> Replicate (all-reduce)."""
+    if forward.input == PARTIAL:
+        module.register_forward_pre_hook(lambda mod, inputs: _split_input(mod, inputs, mesh))
+    if forward.compute == PARTIAL and forward.output == REPLICATE:
+        module.register_forward_hook(
+            lambda mod, inputs, output: _sum_output(mod, inputs, output, mesh)
+        )
+
+
 def apply_styles(model: nn.Module, plan: ResolvedPlan, mesh: DeviceMesh) -> None:
     """Install the forward hooks of every module whose style redistributes activations."""
     for name in plan.module_styles:
@@ -63,6 +88,9 @@ def apply_styles(model: nn.Module, plan: ResolvedPlan, mesh: DeviceMesh) -> None
         if forward is None:
             continue  # packed / replicated: plain tensors, no hooks
         module = model.get_submodule(name)
+        if not forward.on_dtensors:
+            _install_partial_hooks(module, forward, mesh)
+            continue
         module.register_forward_pre_hook(
             lambda mod, inputs, forward=forward: _prepare_input(forward, mod, inputs, mesh)
         )
@@ -72,8 +100,10 @@ def apply_styles(model: nn.Module, plan: ResolvedPlan, mesh: DeviceMesh) -> None
 
 
 def is_distributed(plan: ResolvedPlan, entry: TensorPlan) -> bool:
-    """Whether `entry` is held as a DTensor: every tensor of a module with hooks is."""
-    return forward_of(plan, entry.module) is not None
+    """Whether `entry` is held as a DTensor: every tensor of a module whose forward computes
+    on DTensors is."""
+    forward = forward_of(plan, entry.module)
+    return forward is not None and forward.on_dtensors
 
 
 def owner_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:

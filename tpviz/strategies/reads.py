@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..chunks import Block
-from ..keymap import Piece, pieces
+from ..keymap import Piece, is_one_run, pieces
 
 if TYPE_CHECKING:
     from .executor import TensorPlan
@@ -55,13 +55,15 @@ def sends_a_view(t: TensorPlan, rank: int, device: str) -> bool:
 
 def own_reads(t: TensorPlan, rank: int, device: str) -> list[Read]:
     """The reads that fill `rank`'s shard of `t` on `device`, in order. An assembled tensor's
-    piece is read straight into place only when its place is one contiguous run."""
+    piece, or a block of a tensor packed along a later dim (stacked experts), is read straight
+    into place only when its place is one contiguous run."""
     staged = needs_staging(t, device)
     if t.sources:
         return [_piece_read(p, staged) for p in read_pieces(t, rank)]
+    local = t.ranks[rank].shape
     return [
-        Read(0, tuple(block.offset), dst, tuple(block.shape), staged)
-        for block, dst in _placed_blocks(t, rank)
+        Read(0, tuple(b.offset), dst, tuple(b.shape), staged or not is_one_run(local, dst, b.shape))
+        for b, dst in _placed_blocks(t, rank)
     ]
 
 

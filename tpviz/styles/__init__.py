@@ -4,7 +4,7 @@ Pure: the plan places tensors with a style's cut; the runtime installs the forwa
 `forward` describes.
 """
 
-from .base import ANY, EMBEDDING, LINEAR, Cut, Forward, Style
+from .base import ANY, EMBEDDING, LINEAR, PARTIAL, REPLICATE, Cut, Forward, Style
 from .registry import (
     ALIASES,
     DEFAULT_STYLE,
@@ -21,6 +21,8 @@ __all__ = [
     "DEFAULT_STYLE",
     "EMBEDDING",
     "LINEAR",
+    "PARTIAL",
+    "REPLICATE",
     "STYLES",
     "UNSUPPORTED",
     "Cut",

@@ -26,6 +26,9 @@ ANY = "any"
 
 REPLICATE = "replicate"
 SHARD_FEATURES = "shard(-1)"  # an activation cut along its last (feature) dim
+# a sum over the ranks, each rank holding one term: computed on plain local tensors, never as
+# a DTensor (DTensor turns a replicated value into a partial one by dividing it by the ranks)
+PARTIAL = "partial"
 
 
 def module_kind(module: nn.Module) -> str:
@@ -74,6 +77,12 @@ class Forward:
     output: str
     collective: str
 
+    @property
+    def on_dtensors(self) -> bool:
+        """Whether the module computes on DTensors (False: on plain local tensors, with the
+        partial sums handled around it)."""
+        return PARTIAL not in (self.input, self.compute, self.output)
+
     @functools.cached_property
     def placements(self) -> tuple[Placement, Placement, Placement]:
         """(input, compute, output) as DTensor placements on the one mesh dim."""
@@ -97,6 +106,7 @@ class Style:
     local_output: ClassVar[bool] = False  # output stays sharded: the next module sees a part
     local_input: ClassVar[bool] = False  # input arrives sharded on its last dim
     places_params: ClassVar[bool] = True  # False: each tensor is placed by its own key
+    needs_even_split: ClassVar[bool] = False  # its tensors' cuts must give equal slices
     # None: the module computes on plain local tensors (no hooks, nothing sent)
     forward: ClassVar[Forward | None] = None
 
@@ -123,12 +133,14 @@ class Style:
     def placement_dim(self, param_name: str, ndim: int) -> int | None:
         """Sharded dim of parameter `param_name` with `ndim` dims under this style; None:
         replicate. A bias follows `bias_sharded`; any other parameter is cut like the weight,
-        and a 1-D one (attention sinks) along its only dim, as transformers does."""
+        and a 1-D one (attention sinks) along its only dim, as transformers does. `weight_dim`
+        counts in the last two dims (out, in), so stacked experts (experts, out, in) are cut
+        along their features, every expert alike, as transformers cuts them."""
         if param_name == "bias":
             return 0 if self.bias_sharded else None
         if self.weight_dim is None or ndim == 0:
             return None
-        return min(self.weight_dim, ndim - 1)
+        return 0 if ndim == 1 else ndim - 2 + self.weight_dim
 
     def cut(self, param_name: str, ndim: int) -> Cut:
         """How this style cuts parameter `param_name` with `ndim` dims."""

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import difflib
 
+from .all_reduce import AllReduce
 from .base import Style
 from .colwise import Colwise
 from .colwise_gather_output import ColwiseGatherOutput
 from .embedding_rowwise import EmbeddingRowwise
+from .moe_experts import MoeIdentityExpert, MoeTpExperts
 from .packed_colwise import PackedColwise
+from .packed_rowwise import PackedRowwise
 from .replicated import LocalParams, MlaKvAProj, Replicate, ReplicatedWithGradAllreduce
 from .rowwise import Rowwise
 from .rowwise_split_input import RowwiseSplitInput
@@ -26,6 +29,10 @@ STYLES: dict[str, Style] = {
         RowwiseSplitInput(),
         EmbeddingRowwise(),
         PackedColwise(),
+        PackedRowwise(),
+        MoeTpExperts(),
+        MoeIdentityExpert(),
+        AllReduce(),
         ReplicatedWithGradAllreduce(),
         MlaKvAProj(),
         LocalParams(),
@@ -45,12 +52,8 @@ ALIASES: dict[str, str] = {
 UNSUPPORTED: frozenset[str] = frozenset(
     {
         "embedding_colwise",
-        "packed_rowwise",
         "local_packed_rowwise",
         "sequence_parallel",
-        "all_reduce",
-        "moe_tp_experts",
-        "moe_identity_expert",
         "ep_router",
         "grouped_gemm",
         "isolated",

@@ -1,0 +1,223 @@
+"""Mixture-of-experts models under tensor parallelism: every rank holds its slice of every
+expert (`packed_colwise` / `rowwise` on the stacked expert tensors, cut along the intermediate
+features as transformers cuts them) and the experts' partial outputs are all-reduced
+(`moe_tp_experts`). Checkpoints are made with transformers' own classes: save_pretrained
+writes one tensor per expert; one is written already stacked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpviz
+from tpviz.models import FIXED_PROMPT
+
+from .hf_tiny import TINY_DIMS
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import save_file  # noqa: E402  (after the skip: comes with transformers)
+
+TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
+DIMS = dict(TINY_DIMS, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+MODELS = {  # name: (model_type, config overrides)
+    "mixtral": ("mixtral", dict(intermediate_size=96, num_local_experts=4)),
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=64),
+    ),
+    "olmoe": ("olmoe", dict(intermediate_size=48, num_experts=4)),
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(num_experts=4, moe_intermediate_size=48, head_dim=16, num_key_value_heads=4),
+    ),
+}
+EXPERTS = "model.layers.{}.mlp.experts"
+
+
+def config_of(name: str):
+    model_type, overrides = MODELS[name]
+    return transformers.AutoConfig.for_model(
+        model_type, **{**DIMS, "num_experts_per_tok": 2, **overrides}
+    )
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """name -> checkpoint directory, saved per expert in several files; `qwen3_moe_stacked`
+    holds the same weights as `qwen3_moe` under the stacked names the model class uses."""
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for i, name in enumerate(MODELS):
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(config_of(name))
+        model.save_pretrained(root / name, max_shard_size="300KB")
+        out[name] = root / name
+    stacked = root / "qwen3_moe_stacked"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out["qwen3_moe"])
+    model.config.save_pretrained(stacked)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, stacked / "model.safetensors", metadata={"format": "pt"})
+    out["qwen3_moe_stacked"] = stacked
+    return out
+
+
+def transformers_logits(source, dtype: str = "float32") -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        source, dtype=getattr(torch, dtype)
+    ).eval()
+    with torch.no_grad():
+        return model(torch.tensor(FIXED_PROMPT) % 1003).logits.float()
+
+
+# --- plans (no processes) -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [*MODELS, "qwen3_moe_stacked"])
+def test_moe_plans_cut_every_expert_along_its_intermediate_features(moe, name):
+    plan = tpviz.resolve_plan(moe[name], 2)
+    assert not plan.errors, plan.errors
+    experts = EXPERTS.format(0)
+    assert plan.module_styles[experts] == "moe_tp_experts"
+    gate_up = plan.tensor(f"{experts}.gate_up_proj")  # (experts, 2 * intermediate, hidden)
+    down = plan.tensor(f"{experts}.down_proj")  # (experts, hidden, intermediate)
+    assert (gate_up.style, gate_up.placement) == ("packed_colwise", "shard(1)")
+    assert (down.style, down.placement) == ("rowwise", "shard(2)")
+    experts_n, inter, hidden = down.global_shape[0], down.global_shape[2], down.global_shape[1]
+    assert [r.shape for r in gate_up.ranks] == [[experts_n, inter, hidden]] * 2
+    # one block of the gate part and one of the up part, every expert alike
+    assert [b.offset for b in gate_up.ranks[1].blocks] == [
+        [0, inter // 2, 0],
+        [0, 3 * inter // 2, 0],
+    ]
+    assert [r.shape for r in down.ranks] == [[experts_n, hidden, inter // 2]] * 2
+    router = plan.tensor("model.layers.0.mlp.gate.weight")
+    assert router.placement == "replicate"
+    assert sum(plan.per_rank_bytes) >= plan.total_bytes
+
+
+def test_shared_experts_follow_their_plan(moe):
+    plan = tpviz.resolve_plan(moe["qwen2_moe"], 2)
+    # transformers' plan names `mlp.gate_proj`, which the shared expert's path does not end with
+    for leaf in ("shared_expert.gate_proj", "shared_expert.down_proj", "shared_expert_gate"):
+        assert plan.tensor(f"model.layers.1.mlp.{leaf}.weight").placement == "replicate"
+    cut = tpviz.resolve_plan(
+        moe["qwen2_moe"], 2, {"layers.*.mlp.shared_expert.gate_proj": "colwise"}
+    )
+    assert cut.tensor("model.layers.1.mlp.shared_expert.gate_proj.weight").placement == "shard(0)"
+
+
+def test_an_uneven_expert_split_is_refused_with_the_world_sizes_that_work(tmp_path, cli):
+    """transformers' experts kernel (grouped matmul) needs equal slices on every rank: 42
+    intermediate features over 4 ranks (torch.chunk: 11, 11, 11, 9) are refused before launch."""
+    config = config_of("mixtral")
+    config.intermediate_size, config.num_key_value_heads = 42, 4
+    config.save_pretrained(tmp_path)
+    plan = tpviz.resolve_plan(tmp_path, 4)
+    assert {e.code for e in plan.errors} == {"uneven_experts"}
+    error = plan.errors[0]
+    assert error.name == f"{EXPERTS.format(0)}.gate_up_proj"
+    assert "world sizes that work: 1, 2, 3, 6, 7, 14, 21, 42" in error.message
+    assert cli("plan", str(tmp_path), "--world-size", "4").returncode == 2
+    assert not tpviz.resolve_plan(tmp_path, 2).errors
+    with pytest.raises(tpviz.PlanError, match="uneven_experts|intermediate features"):
+        tpviz.launch(tmp_path, 4, init="random")
+
+
+def test_an_even_split_over_four_ranks(moe):
+    plan = tpviz.resolve_plan(moe["qwen3_moe"], 4)  # 48 features over 4 ranks
+    assert not plan.errors, plan.errors
+    down = plan.tensor(f"{EXPERTS.format(1)}.down_proj")
+    assert [r.shape[2] for r in down.ranks] == [12] * 4
+    gate_up = plan.tensor(f"{EXPERTS.format(1)}.gate_up_proj")
+    assert [r.shape[1] for r in gate_up.ranks] == [24] * 4
+
+
+def test_moe_checkpoints_plan_from_the_command_line(moe, cli):
+    result = cli("plan", str(moe["mixtral"]), "--world-size", "2")
+    assert result.returncode == 0, result.stdout
+    assert "experts.gate_up_proj" in result.stdout and "packed_colwise" in result.stdout
+
+
+def test_expert_styles_are_known_and_cost_an_all_reduce():
+    from tpviz import styles
+
+    for name in ("moe_tp_experts", "moe_identity_expert", "packed_rowwise", "all_reduce"):
+        assert name in styles.STYLES and name not in styles.UNSUPPORTED
+    assert styles.STYLES["moe_tp_experts"].forward_collective == "all-reduce of the output"
+    # packed along the last dim, as transformers' packed_rowwise (_StridedShard(dim=-1))
+    packed = styles.STYLES["packed_rowwise"].cut("gate_up_proj", 3)
+    assert (packed.dim, packed.parts) == (2, 2)
+    assert styles.STYLES["colwise"].cut("weight", 2).dim == 0  # 2-D weights as before
+
+
+# --- loads and forwards (spawned process groups) --------------------------------------------
+
+
+def _load_and_compare(source, world_size: int, dtype: str = "float32", **kwargs) -> None:
+    expected = transformers_logits(source, dtype)
+    plan = tpviz.resolve_plan(source, world_size, dtype=dtype)
+    with tpviz.launch(source, world_size, plan, verify=False, **kwargs) as job:
+        result = job.wait(240)
+        logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
+    assert result["plan_matches_shards"]
+    assert all(r["peak_tensor_bytes"] == r["forecast_peak_bytes"] for r in result["ranks"])
+    for rank, held in enumerate(result["ranks"]):
+        assert held["param_bytes"] == plan.per_rank_bytes[rank]
+    assert (logits.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["sliced", "rank0_broadcast", "replicated"])
+def test_mixtral_matches_transformers_under_every_strategy(moe, strategy):
+    _load_and_compare(moe["mixtral"], 2, strategy=strategy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, world_size, dtype",
+    [
+        ("qwen2_moe", 2, "float32"),  # shared expert and its gate
+        ("olmoe", 2, "float32"),  # attention gathered for its q/k norms
+        ("qwen3_moe_stacked", 2, "float32"),  # a checkpoint already stacked
+        ("qwen3_moe", 4, "float32"),
+        ("qwen3_moe", 2, "bfloat16"),
+    ],
+)
+def test_moe_logits_match_transformers(moe, name, world_size, dtype):
+    _load_and_compare(moe[name], world_size, dtype)
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down_proj = torch.nn.Parameter(torch.empty(4, 8, 6))
+        self.identity_expert = torch.nn.Identity()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = _Experts()
+        self.shared = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 8))
+
+
+def test_partial_sum_styles_reach_modules_without_tensors_of_their_own():
+    """An identity expert and shared experts holding only submodules get their styles (the
+    runtime divides the identity's input and all-reduces the shared experts' output)."""
+    with torch.device("meta"):
+        model = _Block()
+    plan = tpviz.resolve_plan(
+        model,
+        2,
+        {
+            "experts": "moe_tp_experts",
+            "experts.down_proj": "rowwise",
+            "experts.identity_expert": "moe_identity_expert",
+            "shared": "all_reduce",
+        },
+    )
+    assert not plan.errors, plan.errors
+    assert not [w for w in plan.warnings if w.code == "unmatched_pattern"]
+    assert plan.module_styles["experts.identity_expert"] == "moe_identity_expert"
+    assert plan.module_styles["shared"] == "all_reduce"
+    assert plan.tensor("experts.down_proj").placement == "shard(2)"
