@@ -6,6 +6,8 @@ writes one tensor per expert; one is written already stacked."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -32,6 +34,39 @@ MODELS = {  # name: (model_type, config overrides)
     ),
 }
 EXPERTS = "model.layers.{}.mlp.experts"
+ATTENTION = {f"layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")}
+EXPERTS_TP = {
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+}
+# The MoE TP plans transformers 5.24 ships in these models' configs. transformers 5.25
+# deprecated `moe_tp_experts` and dropped the expert keys from its configs (experts default to
+# expert parallelism there), so the tests pass the plans themselves: the same on every version.
+TP_PLANS = {
+    "mixtral": {**ATTENTION, "layers.*.self_attn.o_proj": "rowwise", **EXPERTS_TP},
+    "qwen2_moe": {
+        **ATTENTION,
+        "layers.*.self_attn.o_proj": "rowwise",
+        **EXPERTS_TP,
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    },
+    "olmoe": {
+        **{k: "colwise_gather_output" for k in ATTENTION},
+        "layers.*.self_attn.o_proj": "rowwise_split_input",
+        **EXPERTS_TP,
+    },
+    "qwen3_moe": {
+        **ATTENTION,
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.o_proj": "rowwise",
+        **EXPERTS_TP,
+    },
+}
+TP_PLANS["qwen3_moe_stacked"] = TP_PLANS["qwen3_moe"]
 
 
 def config_of(name: str):
@@ -74,7 +109,7 @@ def transformers_logits(source, dtype: str = "float32") -> torch.Tensor:
 
 @pytest.mark.parametrize("name", [*MODELS, "qwen3_moe_stacked"])
 def test_moe_plans_cut_every_expert_along_its_intermediate_features(moe, name):
-    plan = tpviz.resolve_plan(moe[name], 2)
+    plan = tpviz.resolve_plan(moe[name], 2, TP_PLANS[name])
     assert not plan.errors, plan.errors
     experts = EXPERTS.format(0)
     assert plan.module_styles[experts] == "moe_tp_experts"
@@ -96,7 +131,7 @@ def test_moe_plans_cut_every_expert_along_its_intermediate_features(moe, name):
 
 
 def test_shared_experts_follow_their_plan(moe):
-    plan = tpviz.resolve_plan(moe["qwen2_moe"], 2)
+    plan = tpviz.resolve_plan(moe["qwen2_moe"], 2, TP_PLANS["qwen2_moe"])
     # transformers' plan names `mlp.gate_proj`, which the shared expert's path does not end with
     for leaf in ("shared_expert.gate_proj", "shared_expert.down_proj", "shared_expert_gate"):
         assert plan.tensor(f"model.layers.1.mlp.{leaf}.weight").placement == "replicate"
@@ -112,19 +147,21 @@ def test_an_uneven_expert_split_is_refused_with_the_world_sizes_that_work(tmp_pa
     config = config_of("mixtral")
     config.intermediate_size, config.num_key_value_heads = 42, 4
     config.save_pretrained(tmp_path)
-    plan = tpviz.resolve_plan(tmp_path, 4)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(TP_PLANS["mixtral"]))
+    plan = tpviz.resolve_plan(tmp_path, 4, plan_file)
     assert {e.code for e in plan.errors} == {"uneven_experts"}
     error = plan.errors[0]
     assert error.name == f"{EXPERTS.format(0)}.gate_up_proj"
     assert "world sizes that work: 1, 2, 3, 6, 7, 14, 21, 42" in error.message
-    assert cli("plan", str(tmp_path), "--world-size", "4").returncode == 2
-    assert not tpviz.resolve_plan(tmp_path, 2).errors
+    assert cli("plan", str(tmp_path), "--world-size", "4", "--plan", str(plan_file)).returncode == 2
+    assert not tpviz.resolve_plan(tmp_path, 2, plan_file).errors
     with pytest.raises(tpviz.PlanError, match="uneven_experts|intermediate features"):
-        tpviz.launch(tmp_path, 4, init="random")
+        tpviz.launch(tmp_path, 4, plan_file, init="random")
 
 
 def test_an_even_split_over_four_ranks(moe):
-    plan = tpviz.resolve_plan(moe["qwen3_moe"], 4)  # 48 features over 4 ranks
+    plan = tpviz.resolve_plan(moe["qwen3_moe"], 4, TP_PLANS["qwen3_moe"])  # 48 over 4 ranks
     assert not plan.errors, plan.errors
     down = plan.tensor(f"{EXPERTS.format(1)}.down_proj")
     assert [r.shape[2] for r in down.ranks] == [12] * 4
@@ -132,8 +169,10 @@ def test_an_even_split_over_four_ranks(moe):
     assert [r.shape[1] for r in gate_up.ranks] == [24] * 4
 
 
-def test_moe_checkpoints_plan_from_the_command_line(moe, cli):
-    result = cli("plan", str(moe["mixtral"]), "--world-size", "2")
+def test_moe_checkpoints_plan_from_the_command_line(moe, cli, tmp_path):
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(TP_PLANS["mixtral"]))
+    result = cli("plan", str(moe["mixtral"]), "--world-size", "2", "--plan", str(plan_file))
     assert result.returncode == 0, result.stdout
     assert "experts.gate_up_proj" in result.stdout and "packed_colwise" in result.stdout
 
@@ -153,9 +192,9 @@ def test_expert_styles_are_known_and_cost_an_all_reduce():
 # --- loads and forwards (spawned process groups) --------------------------------------------
 
 
-def _load_and_compare(source, world_size: int, dtype: str = "float32", **kwargs) -> None:
+def _load_and_compare(name, source, world_size: int, dtype: str = "float32", **kwargs) -> None:
     expected = transformers_logits(source, dtype)
-    plan = tpviz.resolve_plan(source, world_size, dtype=dtype)
+    plan = tpviz.resolve_plan(source, world_size, TP_PLANS[name], dtype=dtype)
     with tpviz.launch(source, world_size, plan, verify=False, **kwargs) as job:
         result = job.wait(240)
         logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
@@ -169,7 +208,7 @@ def _load_and_compare(source, world_size: int, dtype: str = "float32", **kwargs)
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["sliced", "rank0_broadcast", "replicated"])
 def test_mixtral_matches_transformers_under_every_strategy(moe, strategy):
-    _load_and_compare(moe["mixtral"], 2, strategy=strategy)
+    _load_and_compare("mixtral", moe["mixtral"], 2, strategy=strategy)
 
 
 @pytest.mark.slow
@@ -184,7 +223,7 @@ def test_mixtral_matches_transformers_under_every_strategy(moe, strategy):
     ],
 )
 def test_moe_logits_match_transformers(moe, name, world_size, dtype):
-    _load_and_compare(moe[name], world_size, dtype)
+    _load_and_compare(name, moe[name], world_size, dtype)
 
 
 class _Experts(torch.nn.Module):
