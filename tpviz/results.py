@@ -43,7 +43,12 @@ class _JsonMapping(Mapping[str, Any]):
         return data if isinstance(data, cls) else cls.from_dict(data)
 
     def __getitem__(self, key: str) -> Any:
-        return self.to_dict()[key]
+        # one field converted, not the whole JSON built per access
+        names = {f.name for f in fields(self)}  # type: ignore[arg-type]
+        value = getattr(self, key) if key in names else None
+        if value is None:  # to_dict() leaves None fields out
+            raise KeyError(key)
+        return _plain(value)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.to_dict())

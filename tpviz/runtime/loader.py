@@ -22,9 +22,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError
 from ..events import Done, Phase, RankPhase
 from ..models import ModelAdapter, get_adapter, prompt_ids, read_config
-from ..plan import STRATEGIES, Ledger, ResolvedPlan, forecast, resolve_plan
+from ..plan import ResolvedPlan, resolve_plan
 from ..profiling import PHASE_PREFIX, rank_profiler
 from ..results import RankResult
+from ..strategies import STRATEGIES, Ledger, forecast
 from ..strategies.reads import fill_part
 from .executor import LoadContext, LoadFailure
 from .memory import MemorySampler, PeakRss
