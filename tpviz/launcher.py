@@ -119,14 +119,11 @@ def launch(
     `timeout` bounds the load in wall time; `heartbeat_timeout` (seconds) is how long a rank
     may stay silent (frozen, stopped, deadlocked) before the job fails, at any time from start
     to shutdown: long-running `forward` or `call` commands are bounded only by it.
-    `kv_replication=False` refuses world sizes past the key-value heads (see `resolve_plan`).
-    """
+    `kv_replication=False` refuses world sizes past the key-value heads (see `resolve_plan`)."""
     _end_rank_running_an_unguarded_script()
     _check_seconds("timeout", timeout)
     _check_seconds("heartbeat_timeout", heartbeat_timeout)
-    resolved = resolve_plan(
-        source, world_size, plan, dtype=dtype, model=model, kv_replication=kv_replication
-    )
+    resolved = resolve_plan(source, world_size, plan, dtype, model, kv_replication=kv_replication)
     resolved.raise_for_errors()
     if resolved.source is None:
         raise ValueError(
