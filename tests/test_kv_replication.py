@@ -13,6 +13,9 @@ import tpviz
 from tpviz.chunks import shard_blocks
 from tpviz.models import FIXED_PROMPT
 from tpviz.plan import ResolvedPlan
+from tpviz.strategies import STRATEGIES
+from tpviz.strategies.counting import Counting
+from tpviz.strategies.executor import plan_units
 from tpviz.widgets import figures
 
 from .conftest import write_config
@@ -185,3 +188,22 @@ def test_transformers_llama_with_two_kv_heads_matches_at_four_ranks(llama_two_kv
     assert [r.bytes_sent + r.bytes_received for r in result.ranks] == forecast["traffic_bytes"]
     # each rank's 2 query heads use its one key-value head: transformers repeats it twice
     assert all(set(h["groups"].values()) == {2} for h in held)
+
+
+def test_random_init_draws_each_shared_head_once_for_the_ranks_holding_it(tiny):
+    plan = tpviz.resolve_plan(tiny, 8)
+    units = plan_units(plan)
+
+    class Seeds(Counting):  # the counting executor, noting the seed each unit is drawn with
+        def init_module(self, module: str, seed: int) -> None:
+            self.seeds[module] = seed
+
+    seeds = []
+    for rank in range(8):
+        x = Seeds(plan, rank, "cpu", "random", units)
+        x.seeds = {}
+        STRATEGIES["sliced"](x)
+        seeds.append(x.seeds)
+    k, q = "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.q_proj"
+    assert [s[k] for s in seeds[::2]] == [s[k] for s in seeds[1::2]]  # ranks 2g, 2g+1 agree
+    assert len({s[k] for s in seeds}) == 4 and len({s[q] for s in seeds}) == 8
