@@ -206,7 +206,7 @@ def _place_head_params(
             same[0].name,
             f"{folded} ({len(same)} tensor(s), {same[0].global_shape}) holds one row per "
             "head of a projection the plan cuts by head; tpviz shards it by head too "
-            "(shard(0)), so each rank applies its own heads' rows",
+            f"({same[0].placement}), so each rank applies its own heads' rows",
         )
 
 
