@@ -20,6 +20,12 @@ def _shared(p: argparse.ArgumentParser) -> None:
         help="target dtype (default: the checkpoint's)",
     )
     p.add_argument("--model", default="auto", help="auto, builtin, hf or PKG.MOD:FN (default auto)")
+    p.add_argument(
+        "--no-kv-replication",
+        action="store_true",
+        help="refuse world sizes past the key-value heads instead of replicating each "
+        "key-value head over the ranks that use it",
+    )
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 

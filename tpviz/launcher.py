@@ -108,6 +108,7 @@ def launch(
     profile_forward: bool = False,
     memory_hz: float = 20.0,
     force: bool = False,
+    kv_replication: bool = True,
 ) -> LoadJob:
     """Start loading `source` on `world_size` local ranks; returns a LoadJob at once.
 
@@ -118,11 +119,11 @@ def launch(
     `timeout` bounds the load in wall time; `heartbeat_timeout` (seconds) is how long a rank
     may stay silent (frozen, stopped, deadlocked) before the job fails, at any time from start
     to shutdown: long-running `forward` or `call` commands are bounded only by it.
-    """
+    `kv_replication=False` refuses world sizes past the key-value heads (see `resolve_plan`)."""
     _end_rank_running_an_unguarded_script()
     _check_seconds("timeout", timeout)
     _check_seconds("heartbeat_timeout", heartbeat_timeout)
-    resolved = resolve_plan(source, world_size, plan, dtype=dtype, model=model)
+    resolved = resolve_plan(source, world_size, plan, dtype, model, kv_replication=kv_replication)
     resolved.raise_for_errors()
     if resolved.source is None:
         raise ValueError(
@@ -165,6 +166,7 @@ def compare(
         plan,
         dtype=launch_kwargs.pop("dtype", None),
         model=launch_kwargs.pop("model", None),
+        kv_replication=launch_kwargs.pop("kv_replication", True),
     )
     results = []
     for strategy in strategies:

@@ -42,12 +42,15 @@ def resolve_plan(
     dtype: str | torch.dtype | None = None,
     model: str | None = None,
     checkpoint: str | os.PathLike | None = None,
+    kv_replication: bool = True,
 ) -> ResolvedPlan:
     """Resolve a TP plan against a model and (optionally) its checkpoint, allocating nothing.
 
     `source` is a checkpoint directory or file, a directory holding only config.json, or an
     `nn.Module` (meta is fine) with an optional `checkpoint`. `plan` defaults to the model
-    family's plan. Problems are returned in `errors` / `warnings`, not raised.
+    family's plan. With more ranks than key-value heads, `kv_replication` replicates each
+    key-value head over the ranks that use it (False: a `head_alignment` error). Problems are
+    returned in `errors` / `warnings`, not raised.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size must be a positive integer, got {world_size!r}")
@@ -58,7 +61,7 @@ def resolve_plan(
             )
         return plan
     with _gc_paused():
-        return _resolve_source(source, world_size, plan, dtype, model, checkpoint)
+        return _resolve_source(source, world_size, plan, dtype, model, checkpoint, kv_replication)
 
 
 @dataclass
@@ -79,6 +82,7 @@ def _resolve_source(
     dtype: str | torch.dtype | None,
     model: str | None,
     checkpoint: str | os.PathLike | None,
+    kv_replication: bool,
 ) -> ResolvedPlan:
     if isinstance(source, nn.Module):
         adapter = adapter_for_module(source)
@@ -94,7 +98,7 @@ def _resolve_source(
     if patterns is None:
         patterns = found.adapter.default_plan(found.skeleton)
     target = _target_dtype(dtype, found.config, found.ckpt)
-    return _resolve(found, world_size, patterns, target)
+    return _resolve(found, world_size, patterns, target, kv_replication)
 
 
 @contextlib.contextmanager
@@ -129,7 +133,11 @@ def _target_dtype(
 
 
 def _resolve(
-    found: _Model, world_size: int, patterns: Mapping[str, str], target: torch.dtype
+    found: _Model,
+    world_size: int,
+    patterns: Mapping[str, str],
+    target: torch.dtype,
+    kv_replication: bool,
 ) -> ResolvedPlan:
     compiled = CompiledPlan(patterns)
     issues = PlanIssues()
@@ -141,10 +149,14 @@ def _resolve(
     report_unsupported(walk.unsupported, issues.errors)
     report_unmatched(compiled, issues.warnings)
     counts = found.adapter.head_counts(found.config)
-    check_heads(found.skeleton, counts, walk.entries, walk.module_styles, world_size, issues)
+    kv_groups = check_heads(
+        found.skeleton, counts, walk.entries, walk.module_styles, world_size, issues, kv_replication
+    )
     _check_checkpoint(found, walk.entries, issues)
     warn_if_mostly_replicated(walk.entries, world_size, issues.warnings)
-    return _plan(found, walk, world_size, target, patterns, issues)
+    plan = _plan(found, walk, world_size, target, patterns, issues)
+    plan.local_kv_groups = kv_groups
+    return plan
 
 
 def _check_checkpoint(found: _Model, entries: list[TensorPlan], issues: PlanIssues) -> None:
