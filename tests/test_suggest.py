@@ -1,0 +1,206 @@
+"""Suggested plans (`tpviz.suggest_plan`, `tpviz plan --suggest [--check]`, the Dashboard's
+suggest button) on models that ship no usable plan: Falcon (multi-query, fused qkv), StableLM
+(per-head q/k norms), BitNet (sub-norms over the cut features), Phi-3 (fused gate_up), each
+built with transformers' own classes from its default config scaled down, and the built-in
+Llama with its plan ignored.
+
+The suggestions are computed in-process once per model; `--check` (real ranks) runs once per
+model in the slow tests.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tpviz
+from tpviz import cli
+from tpviz.models.demo import make_checkpoint
+
+from .hf_tiny import TINY_DIMS
+
+transformers = pytest.importorskip("transformers")
+
+DIMS = dict(TINY_DIMS, pad_token_id=0)
+# name -> (model_type, changes to the defaults); StableLM's qk_layernorm is off by default
+HF_MODELS = {
+    "falcon": ("falcon", {}),
+    "stablelm": ("stablelm", dict(qk_layernorm=True)),
+    "bitnet": ("bitnet", {}),
+    "phi3": ("phi3", {}),
+}
+MLP = {
+    "falcon": ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+    "stablelm": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    "bitnet": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    "phi3": ("mlp.gate_up_proj", "mlp.down_proj"),
+    "llama": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """name -> checkpoint dir, built once on first use; norms moved away from one."""
+    root = tmp_path_factory.mktemp("suggest")
+    built = {}
+
+    def get(name: str):
+        if name in built:
+            return built[name]
+        if name == "llama":
+            built[name] = make_checkpoint(root / name, "tiny")
+            return built[name]
+        model_type, changes = HF_MODELS[name]
+        torch.manual_seed(len(built))
+        config = transformers.AutoConfig.for_model(model_type, **DIMS, **changes)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.add_(0.1 * torch.randn_like(p))
+        model.save_pretrained(root / name, max_shard_size="300KB")
+        built[name] = root / name
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def suggestion(checkpoint):
+    """(name, world size) -> the suggestion, computed once."""
+    found = {}
+
+    def get(name: str, world_size: int = 2):
+        if (name, world_size) not in found:
+            found[name, world_size] = tpviz.suggest_plan(checkpoint(name), world_size)
+        return found[name, world_size]
+
+    return get
+
+
+def _placements(plan) -> dict[str, str]:
+    return {e.name: e.placement for e in plan.params}
+
+
+def _decision(s, module: str):
+    return next(d for d in s.decisions if any(p.endswith(module) for p in d.patterns))
+
+
+@pytest.mark.parametrize("name", ["falcon", "stablelm", "bitnet", "phi3", "llama"])
+def test_every_suggestion_resolves_and_shards_its_mlp(suggestion, name):
+    s = suggestion(name)
+    assert s.resolved.errors == [] and s.max_abs_diff <= s.tolerance
+    placed = _placements(s.resolved)
+    for module in MLP[name]:
+        weights = [n for n in placed if n.endswith(f"{module}.weight")]
+        assert len(weights) == 2 and all(placed[w].startswith("shard(") for w in weights)
+    layers = [e for e in s.resolved.params if e.name.startswith(s.layers)]
+    sharded = sum(e.nbytes for e in layers if e.placement != "replicate")
+    assert s.decoder_bytes == sum(e.nbytes for e in layers) and s.decoder_sharded_bytes == sharded
+    assert 0.9 < s.decoder_share <= 1  # every Linear of these layers; norms stay whole
+
+
+def test_builtin_llama_suggestion_shards_what_its_shipped_plan_shards(suggestion, checkpoint):
+    for world_size in (2, 4):
+        shipped = tpviz.resolve_plan(checkpoint("llama"), world_size)
+        assert _placements(suggestion("llama", world_size).resolved) == _placements(shipped)
+    assert all(d.tried == [] for d in suggestion("llama").decisions)  # Megatron everywhere
+
+
+def test_forward_code_that_reshapes_by_the_head_count_keeps_attention_gathered(suggestion):
+    # Falcon's fused multi-query qkv is viewed as (num_heads + 2) heads: on a rank's features
+    # that view fails, so q/k/v and the output projection are sharded but seen whole
+    attention = _decision(suggestion("falcon"), "self_attention.dense")
+    assert set(attention.styles.values()) == {"colwise_gather_output", "rowwise_split_input"}
+    assert [why.split(":")[0] for why in attention.tried] == [
+        "colwise, rowwise",
+        "packed_colwise, rowwise",
+    ]
+    assert all("a rank's forward fails" in why for why in attention.tried)
+    mlp = _decision(suggestion("falcon"), "mlp.dense_4h_to_h")
+    assert set(mlp.styles.values()) == {"colwise", "rowwise"} and mlp.tried == []
+    tied = _decision(suggestion("falcon"), "lm_head")  # tied to the embedding: one unit
+    assert tied.styles == {
+        "transformer.word_embeddings": "embedding_rowwise",
+        "lm_head": "colwise_gather_output",
+    }
+
+
+def test_a_norm_over_the_cut_features_is_never_cut_under_it(suggestion):
+    s = suggestion("bitnet")
+    mlp = _decision(s, "mlp.down_proj")  # ffn_sub_norm normalises the intermediate features
+    assert mlp.styles["model.layers.*.mlp.down_proj"] == "rowwise_split_input"
+    assert "a rank's forward fails" in mlp.tried[0]
+    attention = _decision(s, "self_attn.o_proj")  # attn_sub_norm spans every head
+    assert "head_parameter" in attention.tried[0]
+    assert _placements(s.resolved)["model.layers.0.mlp.ffn_sub_norm.weight"] == "replicate"
+
+
+def test_silently_wrong_logits_are_caught_and_the_fused_parts_packed(suggestion):
+    # plain colwise on Phi-3's [gate; up] gives rank 0 all of gate: no error, wrong numbers
+    mlp = _decision(suggestion("phi3"), "mlp.down_proj")
+    assert mlp.styles["model.layers.*.mlp.gate_up_proj"] == "packed_colwise"
+    assert "logits differ from the whole model's" in mlp.tried[0]
+
+
+def test_per_head_norms_in_a_module_list_stay_with_the_whole_heads(suggestion):
+    s = suggestion("stablelm")
+    attention = _decision(s, "self_attn.o_proj")
+    assert set(attention.styles.values()) == {"colwise_gather_output", "rowwise_split_input"}
+    norms = [e for e in s.resolved.params if ".q_layernorm.norms." in e.name]
+    assert norms and all(e.placement == "replicate" for e in norms)
+
+
+def test_cli_prints_a_plan_file_that_resolves_to_the_suggestion(
+    suggestion, checkpoint, tmp_path, capsys
+):
+    source = str(checkpoint("falcon"))
+    assert cli.main(["plan", source, "--suggest"]) == 0
+    out, err = capsys.readouterr()
+    (tmp_path / "plan.json").write_text(out)
+    again = tpviz.resolve_plan(source, 2, tmp_path / "plan.json")
+    assert _placements(again) == _placements(suggestion("falcon").resolved)
+    assert "of the decoder layers'" in err and "not colwise, rowwise: a rank's forward" in err
+    assert cli.main(["plan", source, "--suggest", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["tp_plan"] == json.loads(out)
+    assert data["suggestion"]["decoder_share"] == round(suggestion("falcon").decoder_share, 4)
+    json_plan = tmp_path / "suggestion.json"  # the JSON itself is a plan file too
+    json_plan.write_text(json.dumps(data))
+    assert _placements(tpviz.resolve_plan(source, 2, json_plan)) == _placements(again)
+
+
+def test_cli_refuses_check_alone_and_suggest_with_a_plan(checkpoint, tmp_path, capsys):
+    source = str(checkpoint("llama"))
+    assert cli.main(["plan", source, "--check"]) == 2
+    assert "use it with --suggest" in capsys.readouterr().err
+    (tmp_path / "p.json").write_text("{}")
+    assert cli.main(["plan", source, "--suggest", "--plan", str(tmp_path / "p.json")]) == 2
+    assert "drop --plan" in capsys.readouterr().err
+
+
+def test_dashboard_suggest_button_fills_the_editor(checkpoint, tmp_path):
+    dash = tpviz.Dashboard(checkpoint("bitnet"), cache=tmp_path)
+    assert dash.plan.patterns == {}  # transformers ships BitNet no plan
+    dash.suggest_button.click()
+    suggested = json.loads(dash.plan_editor.value)
+    assert suggested["model.layers.*.mlp.gate_proj"] == "colwise_gather_output"
+    assert dash.plan.patterns == suggested and dash.plan.errors == []
+    assert "suggested plan: shards" in dash.status.value
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, world_size", [("falcon", 2), ("stablelm", 2), ("bitnet", 2), ("llama", 4)]
+)
+def test_suggest_check_loads_on_real_ranks_and_matches(checkpoint, capsys, name, world_size):
+    source = str(checkpoint(name))
+    args = ["plan", source, "--suggest", "--check", "--json", "--world-size", str(world_size)]
+    assert cli.main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    check = data["check"]
+    assert check["ok"] and check["plan_matches_shards"] and check["world_size"] == world_size
+    assert check["max_abs_diff"] <= check["tolerance"] == 1e-4
+    assert all(any(p.endswith(m) for p in data["tp_plan"]) for m in MLP[name])
