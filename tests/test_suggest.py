@@ -110,15 +110,18 @@ def test_builtin_llama_suggestion_shards_what_its_shipped_plan_shards(suggestion
 
 
 def test_forward_code_that_reshapes_by_the_head_count_keeps_attention_gathered(suggestion):
-    # Falcon's fused multi-query qkv is viewed as (num_heads + 2) heads: on a rank's features
-    # that view fails, so q/k/v and the output projection are sharded but seen whole
+    # Falcon's fused multi-query qkv holds one key-value head (no cut by head keeps it whole)
+    # and is viewed as num_heads + 2 heads (on a rank's features that view fails): q/k/v and
+    # the output projection are sharded, but every rank sees their activations whole
     attention = _decision(suggestion("falcon"), "self_attention.dense")
     assert set(attention.styles.values()) == {"colwise_gather_output", "rowwise_split_input"}
     assert [why.split(":")[0] for why in attention.tried] == [
         "colwise, rowwise",
         "packed_colwise, rowwise",
     ]
-    assert all("a rank's forward fails" in why for why in attention.tried)
+    assert all(
+        "a rank's forward fails" in why or "head_alignment" in why for why in attention.tried
+    )
     mlp = _decision(suggestion("falcon"), "mlp.dense_4h_to_h")
     assert set(mlp.styles.values()) == {"colwise", "rowwise"} and mlp.tried == []
     tied = _decision(suggestion("falcon"), "lm_head")  # tied to the embedding: one unit
@@ -162,7 +165,7 @@ def test_cli_prints_a_plan_file_that_resolves_to_the_suggestion(
     (tmp_path / "plan.json").write_text(out)
     again = tpviz.resolve_plan(source, 2, tmp_path / "plan.json")
     assert _placements(again) == _placements(suggestion("falcon").resolved)
-    assert "of the decoder layers'" in err and "not colwise, rowwise: a rank's forward" in err
+    assert "of the decoder layers'" in err and "not colwise, rowwise: " in err
     assert cli.main(["plan", source, "--suggest", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["tp_plan"] == json.loads(out)
