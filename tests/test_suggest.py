@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 import tpviz
 from tpviz import cli
@@ -207,3 +208,70 @@ def test_suggest_check_loads_on_real_ranks_and_matches(checkpoint, capsys, name,
     assert check["ok"] and check["plan_matches_shards"] and check["world_size"] == world_size
     assert check["max_abs_diff"] <= check["tolerance"] == 1e-4
     assert all(any(p.endswith(m) for p in data["tp_plan"]) for m in MLP[name])
+
+
+class _Attention(nn.Module):
+    """A user's own attention: names no plan knows, heads split by `-1` views."""
+
+    def __init__(self, dim: int, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.ask, self.key, self.val, self.mix = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, _ = h.shape
+        q, k, v = (
+            p(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+            for p in (self.ask, self.key, self.val)
+        )
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.mix(a.transpose(1, 2).reshape(b, t, -1))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, head_dim: int):
+        super().__init__()
+        self.ln_a, self.ln_b = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = _Attention(dim, head_dim)
+        self.widen, self.narrow = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_a(x))
+        return x + self.narrow(nn.functional.gelu(self.widen(self.ln_b(x))))
+
+
+class _Model(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        dim = config["hidden_size"]
+        self.tok = nn.Embedding(config["vocab_size"], dim)
+        self.blocks = nn.ModuleList(
+            _Block(dim, dim // config["num_attention_heads"])
+            for _ in range(config["num_hidden_layers"])
+        )
+        self.unembed = nn.Linear(dim, config["vocab_size"], bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.unembed(x)
+
+
+def user_model(config: dict) -> nn.Module:
+    return _Model(config)
+
+
+def test_a_users_own_module_gets_megatron_pairs_found_from_its_dataflow(tmp_path):
+    config = dict(vocab_size=97, hidden_size=64, num_attention_heads=4, num_hidden_layers=3)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    s = tpviz.suggest_plan(tmp_path, 4, model="tests.test_suggest:user_model")
+    assert s.plan == {
+        "tok": "embedding_rowwise",
+        **dict.fromkeys(["blocks.*.attn.ask", "blocks.*.attn.key", "blocks.*.attn.val"], "colwise"),
+        "blocks.*.attn.mix": "rowwise",
+        "blocks.*.widen": "colwise",
+        "blocks.*.narrow": "rowwise",
+        "unembed": "colwise_gather_output",
+    }
+    assert s.layers == "blocks." and s.resolved.errors == [] and s.decoder_share > 0.95

@@ -105,11 +105,17 @@ def suggest_plan(
     """Suggest a TP plan for the model at `source` (a checkpoint or config.json directory)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size must be a positive integer, got {world_size!r}")
-    config = read_config(source)
-    instance, run = _instance(config, model, source)
+    instance, run = _instance(read_config(source), model, source)
     with torch.inference_mode():
         reference = run(instance)
-    tolerance = TOLERANCE * max(1.0, reference.abs().max().item())
+    proof = _Proof(
+        instance,
+        run,
+        reference,
+        TOLERANCE * max(1.0, reference.abs().max().item()),
+        world_size,
+        lambda patterns: resolve_plan(source, world_size, patterns, dtype=dtype, model=model),
+    )
     kept: dict[str, str] = {}
     decisions, diff = [], 0.0
     for unit in _units(instance, run):
@@ -117,39 +123,45 @@ def suggest_plan(
         decision = Decision(kind, [n for _, cols, rows in unit for n in cols + rows], {})
         for styles in _style_sets(unit):
             trial = {**kept, **styles}
-            why, d = _prove(instance, run, reference, trial, world_size, tolerance)
+            why, d = proof.check(trial)
             if why is None:
                 kept, decision.styles, diff = trial, styles, d
                 break
             decision.tried.append(f"{', '.join(sorted(set(styles.values())))}: {why}")
         decisions.append(decision)
-    resolved = resolve_plan(source, world_size, kept, dtype=dtype, model=model)
-    layers = _layers_prefix(instance)
-    return Suggestion(kept, resolved, decisions, layers, diff, tolerance)
+    resolved = proof.resolve(kept)
+    return Suggestion(kept, resolved, decisions, _layers_prefix(instance), diff, proof.tolerance)
 
 
-def _prove(
-    instance: nn.Module,
-    run: Callable[[nn.Module], torch.Tensor],
-    reference: torch.Tensor,
-    patterns: dict[str, str],
-    world_size: int,
-    tolerance: float,
-) -> tuple[str | None, float]:
-    """(None, max |diff|) when the plan resolves cleanly and its simulated ranks match the
-    reference; else (the reason, nan)."""
-    plan = resolve_plan(instance, world_size, patterns)
-    if plan.errors:
-        return f"{plan.errors[0].code}: {plan.errors[0].message}", float("nan")
-    try:
-        outs = run_ranks(instance, plan, run)
-    except Exception as e:  # noqa: BLE001 - the module code failing on a rank's tensors
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return f"a rank's forward fails ({type(e).__name__}: {first})", float("nan")
-    diff = max((o - reference).abs().max().item() for o in outs)
-    if not diff <= tolerance:
-        return f"the ranks' logits differ from the whole model's by {diff:.3g}", diff
-    return None, diff
+@dataclass
+class _Proof:
+    """Checks a candidate plan: it resolves for the source (`resolve`) without errors, and
+    its simulated ranks reproduce the instance's `reference` logits."""
+
+    instance: nn.Module
+    run: Callable[[nn.Module], torch.Tensor]
+    reference: torch.Tensor
+    tolerance: float
+    world_size: int
+    resolve: Callable[[dict[str, str]], ResolvedPlan]  # for the source itself
+
+    def check(self, patterns: dict[str, str]) -> tuple[str | None, float]:
+        """(None, max |diff|) when proven; else (the reason, nan)."""
+        for plan in (
+            self.resolve(patterns),
+            resolve_plan(self.instance, self.world_size, patterns),
+        ):
+            if plan.errors:
+                return f"{plan.errors[0].code}: {plan.errors[0].message}", float("nan")
+        try:
+            outs = run_ranks(self.instance, plan, self.run)
+        except Exception as e:  # noqa: BLE001 - the module code failing on a rank's tensors
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return f"a rank's forward fails ({type(e).__name__}: {first})", float("nan")
+        diff = max((o - self.reference).abs().max().item() for o in outs)
+        if not diff <= self.tolerance:
+            return f"the ranks' logits differ from the whole model's by {diff:.3g}", diff
+        return None, diff
 
 
 Unit = list[tuple[str, list[str], list[str]]]  # parts: (kind, cols, rows), all tried together
