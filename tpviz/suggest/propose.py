@@ -10,10 +10,12 @@ The candidates, in forward order, each a unit with styles to try in turn:
   model sees whole: for forward code that cannot run on a rank's features);
 - any other Linear (the LM head): `colwise_gather_output` (by output features).
 
-A unit's styles are tried on top of the units already kept: resolved (so head alignment and
-per-head parameters are checked as for any plan) and run on simulated ranks (simulate.py)
-against the same random instance run whole. The first that resolves without errors and matches
-is kept; a unit none of whose styles does stays replicated, with the reasons.
+A unit's styles are tried on top of the units already kept: resolved for the source (so head
+alignment, per-head parameters and tied tensors are checked as for any plan) and for a small
+random instance of the model (its config with at most CHECK_LAYERS layers), which then runs on
+simulated ranks (simulate.py) against itself run whole. The first that resolves without
+errors and matches is kept; a unit none of whose styles does stays replicated, with the
+reasons. Modules sharing a tensor (a tied embedding and head) are one unit.
 """
 
 from __future__ import annotations
