@@ -112,7 +112,7 @@ def test_builtin_llama_suggestion_shards_what_its_shipped_plan_shards(suggestion
 
 def test_forward_code_that_reshapes_by_the_head_count_keeps_attention_gathered(suggestion):
     # Falcon's fused multi-query qkv holds one key-value head (no cut by head keeps it whole)
-    # and is viewed as num_heads + 2 heads (on a rank's features that view fails): q/k/v and
+    # and is split by num_heads (on a rank's features that split fails): q/k/v and
     # the output projection are sharded, but every rank sees their activations whole
     attention = _decision(suggestion("falcon"), "self_attention.dense")
     assert set(attention.styles.values()) == {"colwise_gather_output", "rowwise_split_input"}
