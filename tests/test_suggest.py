@@ -107,7 +107,15 @@ def test_builtin_llama_suggestion_shards_what_its_shipped_plan_shards(suggestion
     for world_size in (2, 4):
         shipped = tpviz.resolve_plan(checkpoint("llama"), world_size)
         assert _placements(suggestion("llama", world_size).resolved) == _placements(shipped)
-    assert all(d.tried == [] for d in suggestion("llama").decisions)  # Megatron everywhere
+    decisions = suggestion("llama").decisions
+    assert all(d.tried == [] for d in decisions if d.kind != "other")  # Megatron everywhere
+    norms = [d for d in decisions if d.kind == "other"]
+    assert {d.patterns[0] for d in norms} == {
+        "model.layers.*.input_layernorm",
+        "model.layers.*.post_attention_layernorm",
+        "model.norm",
+    }
+    assert all(d.styles == {} and "not an nn.Linear" in d.tried[0] for d in norms)
 
 
 def test_forward_code_that_reshapes_by_the_head_count_keeps_attention_gathered(suggestion):
@@ -275,3 +283,18 @@ def test_a_users_own_module_gets_megatron_pairs_found_from_its_dataflow(tmp_path
         "unembed": "colwise_gather_output",
     }
     assert s.layers == "blocks." and s.resolved.errors == [] and s.decoder_share > 0.95
+
+
+def test_modules_no_style_cuts_stay_replicated_with_the_reason(tmp_path, capsys):
+    # GPT-2's projections are transformers' Conv1D (weight stored in x out), not nn.Linear
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=97, n_positions=32)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    assert cli.main(["plan", str(tmp_path), "--suggest"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {
+        "transformer.wte": "embedding_rowwise",
+        "lm_head": "colwise_gather_output",
+        "transformer.wpe": "embedding_rowwise",
+    }
+    assert "transformer.h.*.attn.c_attn: replicated (Conv1D is not an nn.Linear" in err
+    assert "(0.0%)" in err

@@ -52,6 +52,9 @@ def suggestion_text(s: Suggestion) -> str:
         f"whole model within {s.max_abs_diff:.2g} (tolerance {s.tolerance:.2g})"
     ]
     for d in s.decisions:
+        if d.kind == "other":
+            lines.append(f"  {d.patterns[0]}: replicated ({d.tried[0]})")
+            continue
         styles = ", ".join(sorted(set(d.styles.values()))) or "replicated"
         lines.append(f"  {' + '.join(d.patterns)}: {styles}")
         lines += [f"      not {why}" for why in d.tried]

@@ -131,6 +131,7 @@ def suggest_plan(
                 break
             decision.tried.append(f"{', '.join(sorted(set(styles.values())))}: {why}")
         decisions.append(decision)
+    decisions += _not_candidates(instance, {p for d in decisions for p in d.patterns})
     resolved = proof.resolve(kept)
     return Suggestion(kept, resolved, decisions, _layers_prefix(instance), diff, proof.tolerance)
 
@@ -198,6 +199,18 @@ def _units(instance: nn.Module, run: Callable) -> list[Unit]:
             unique.append(named)
             seen |= names
     return unique
+
+
+def _not_candidates(instance: nn.Module, covered: set[str]) -> list[Decision]:
+    """The other modules holding tensors (norms, Conv1D, stacked experts), replicated."""
+    found: dict[str, Decision] = {}
+    for name, module in instance.named_modules():
+        (pattern,) = _patterns([name])
+        if pattern in covered or pattern in found or not list(module.parameters(recurse=False)):
+            continue
+        why = f"{type(module).__name__} is not an nn.Linear or nn.Embedding, the modules cut here"
+        found[pattern] = Decision("other", [pattern], {}, [why])
+    return list(found.values())
 
 
 def _patterns(names: list[str]) -> list[str]:
