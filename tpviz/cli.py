@@ -154,6 +154,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .plan import PlanError
     from .report import plan_table
 
+    if args.suggest:
+        from .suggest_cli import cmd_suggest
+
+        return cmd_suggest(args)
+    if args.check:
+        raise ValueError("--check proves a suggested plan: use it with --suggest")
     plan = _resolve(args)
     _emit(args, plan.to_dict(), plan_table(plan, full=args.full))
     if not plan.errors:

@@ -80,6 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help=SOURCE_HELP)
     _shared(p)
     p.add_argument("--full", action="store_true", help="one row per tensor (no folding)")
+    p.add_argument(
+        "--suggest",
+        action="store_true",
+        help="propose a plan from the model's structure, each part proven on simulated ranks; "
+        "prints it as a plan file",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="with --suggest: load it on --world-size real ranks and compare logits with a "
+        "single-process model (exit 0 only if they match)",
+    )
 
     p = sub.add_parser("load", help="load a checkpoint on local ranks")
     p.add_argument("source", help=SOURCE_HELP)

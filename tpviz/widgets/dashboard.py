@@ -20,6 +20,7 @@ from ..launcher import LoadError, LoadJob, launch
 from ..models.demo import PRESETS, cache_dir, demo_checkpoint
 from ..plan import STRATEGIES, ResolvedPlan, load_plan_patterns, resolve_plan
 from ..report import html_page, load_parts, plan_parts
+from ..suggest import Suggestion, suggest_plan
 from . import figures
 from .monitor import LoadMonitor, MemoryChart
 from .plan_view import PlanView, issues_html
@@ -102,6 +103,11 @@ class Dashboard(widgets.VBox):
             placeholder='{"layers.*.mlp.up_proj": "colwise", ...}',
             layout=widgets.Layout(width="100%"),
         )
+        self.suggest_button = widgets.Button(
+            description="suggest",
+            icon="magic",
+            tooltip="propose a plan from the model's structure, proven on simulated ranks",
+        )
         self.validation = widgets.HTML()
         self.plan_box = widgets.VBox()
         self.chart = MemoryChart(figures.default_measure(device))
@@ -109,7 +115,12 @@ class Dashboard(widgets.VBox):
         self.comparison = widgets.HTML()
         plan_tab = widgets.VBox(
             [
-                widgets.HTML("<b>Plan</b> (JSON: pattern → style; validated as you type)"),
+                widgets.HBox(
+                    [
+                        widgets.HTML("<b>Plan</b> (JSON: pattern → style; validated as you type)"),
+                        self.suggest_button,
+                    ]
+                ),
                 self.plan_editor,
                 self.validation,
                 self.plan_box,
@@ -125,6 +136,7 @@ class Dashboard(widgets.VBox):
         self.source.observe(lambda _: self.open_source(), "value")
         self.dtype.observe(self._on_dtype, "value")
         self.plan_editor.observe(self._on_plan_text, "value")
+        self.suggest_button.on_click(lambda _: self.suggest())
 
     # --- choosing and resolving -------------------------------------------------------------
 
@@ -164,6 +176,25 @@ class Dashboard(widgets.VBox):
         self._show(plan)
         self.status.value = ""
         return plan
+
+    def suggest(self) -> Suggestion | None:
+        """Fill the plan editor with a plan suggested for the chosen source and world size."""
+        if self.plan is None or self.plan.source is None:
+            return None
+        self.status.value = "suggesting a plan: proving each part on simulated ranks ..."
+        try:
+            found = suggest_plan(
+                self.plan.source, self.plan.world_size, dtype=self.dtype.value or None
+            )
+        except (ValueError, OSError) as e:
+            self.validation.value = issues_html(None, str(e))
+            self.status.value = ""
+            return None
+        self.plan_editor.value = json.dumps(found.plan, indent=2)  # observed: validated, shown
+        self.status.value = escape(
+            f"suggested plan: shards {found.decoder_share:.1%} of the decoder layers' bytes"
+        )
+        return found
 
     def _on_plan_text(self, change: dict[str, Any]) -> None:
         if not self._editing:
