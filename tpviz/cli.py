@@ -140,7 +140,14 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 def _resolve(args: argparse.Namespace):
     from .plan import resolve_plan
 
-    return resolve_plan(args.source, args.world_size, args.plan, dtype=args.dtype, model=args.model)
+    return resolve_plan(
+        args.source,
+        args.world_size,
+        args.plan,
+        dtype=args.dtype,
+        model=args.model,
+        experts=args.experts,
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

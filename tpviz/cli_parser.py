@@ -20,6 +20,13 @@ def _shared(p: argparse.ArgumentParser) -> None:
         help="target dtype (default: the checkpoint's)",
     )
     p.add_argument("--model", default="auto", help="auto, builtin, hf or PKG.MOD:FN (default auto)")
+    p.add_argument(
+        "--experts",
+        choices=["tp", "ep"],
+        default="tp",
+        help="mixture-of-experts layout: tp cuts every expert as the plan says, ep gives each "
+        "rank whole experts (default tp)",
+    )
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 

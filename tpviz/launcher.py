@@ -108,10 +108,12 @@ def launch(
     profile_forward: bool = False,
     memory_hz: float = 20.0,
     force: bool = False,
+    experts: str | None = None,
 ) -> LoadJob:
     """Start loading `source` on `world_size` local ranks; returns a LoadJob at once.
 
     `plan` is a pattern dict, a plan file or a ResolvedPlan (whose world size must match).
+    `experts`: "tp" (default) or "ep", the mixture-of-experts layout (see `resolve_plan`).
     `init="random"` initialises from `seed` instead of loading (a config-only source needs it).
     `profile_dir` writes torch.profiler traces (one TensorBoard worker per rank);
     `profile_forward` also profiles one forward of the fixed prompt after loading.
@@ -122,7 +124,7 @@ def launch(
     _end_rank_running_an_unguarded_script()
     _check_seconds("timeout", timeout)
     _check_seconds("heartbeat_timeout", heartbeat_timeout)
-    resolved = resolve_plan(source, world_size, plan, dtype=dtype, model=model)
+    resolved = resolve_plan(source, world_size, plan, dtype=dtype, model=model, experts=experts)
     resolved.raise_for_errors()
     if resolved.source is None:
         raise ValueError(
@@ -165,6 +167,7 @@ def compare(
         plan,
         dtype=launch_kwargs.pop("dtype", None),
         model=launch_kwargs.pop("model", None),
+        experts=launch_kwargs.pop("experts", None),
     )
     results = []
     for strategy in strategies:

@@ -86,6 +86,7 @@ class ResolvedPlan:
     module_styles: dict[str, str] = field(default_factory=dict)  # module -> forward style
     has_weights: bool = True
     patterns: dict[str, str] = field(default_factory=dict)  # the plan keys that were resolved
+    experts: str = "tp"  # mixture-of-experts layout: "tp" (cut by the plan) or "ep" (whole)
 
     def tensor(self, name: str) -> TensorPlan:
         if not hasattr(self, "_by_name"):
