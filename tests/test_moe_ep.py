@@ -18,6 +18,7 @@ import tpviz
 from tpviz.keymap import pieces
 from tpviz.models import FIXED_PROMPT
 
+from .moe_configs import DEEPSEEK_V3, MIXTRAL_8X7B, config_dir
 from .test_moe import DIMS, EXPERTS, EXPERTS_TP, MODELS, TP_PLANS, transformers_logits
 
 transformers = pytest.importorskip("transformers")
@@ -223,3 +224,47 @@ def test_compare_loads_a_moe_checkpoint_with_every_strategy_under_ep(moe, cli):
     for run in runs:
         assert run["plan_matches_shards"] and run["verify"]["ok"]
         assert all(r["peak_tensor_bytes"] == r["forecast_peak_bytes"] for r in run["ranks"])
+
+
+# --- planning at scale from config.json alone ---------------------------------------------------
+
+SCALE = {  # name: (config, its TP plan with the experts cut as transformers 5.24 cut them)
+    "mixtral_8x7b": (MIXTRAL_8X7B, TP_PLANS["mixtral"]),
+    "deepseek_v3_671b": (DEEPSEEK_V3, TP["deepseek_v3"]),
+}
+
+
+def routed_expert_bytes(config: dict) -> int:
+    """bf16 bytes of every routed expert's three projections, from the config's numbers."""
+    experts = config.get("n_routed_experts") or config["num_local_experts"]
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    layers = config["num_hidden_layers"] - config.get("first_k_dense_replace", 0)
+    return layers * experts * 3 * config["hidden_size"] * inter * 2
+
+
+@pytest.mark.parametrize("name", SCALE)
+def test_real_moe_configs_plan_at_world_size_8_under_both_layouts(tmp_path, cli, name):
+    config, tp_plan = SCALE[name]
+    source = config_dir(tmp_path / name, config)
+    tp = tpviz.resolve_plan(source, 8, tp_plan)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(tp_plan))
+    args = ("--world-size", "8", "--plan", str(plan_file), "--experts", "ep", "--json")
+    result = cli("plan", str(source), *args)
+    assert result.returncode == 0, result.stderr
+    ep = tpviz.ResolvedPlan.from_json(result.stdout)
+    assert not tp.errors and not ep.errors
+    assert tp.total_bytes == ep.total_bytes
+    routed = routed_expert_bytes(config)
+    for plan, style in ((tp, "moe_tp_experts"), (ep, "ep_dispatch_experts")):
+        experts = [t for t in plan.params if plan.module_styles.get(t.module) == style]
+        assert sum(t.nbytes for t in experts) == routed
+        for rank in range(8):  # an eighth of every expert, or an eighth of the experts
+            assert sum(t.ranks[rank].bytes for t in experts) == routed // 8
+        # every tensor's ranks add up to it: once each when cut, on every rank when replicated
+        for t in plan.params:
+            held = sum(r.bytes for r in t.ranks)
+            assert held == (t.nbytes * 8 if t.placement == "replicate" else t.nbytes), t.name
+        assert plan.per_rank_bytes == [sum(t.ranks[r].bytes for t in plan.params) for r in range(8)]
+    # the layouts differ only in the experts
+    assert [e - t for e, t in zip(ep.per_rank_bytes, tp.per_rank_bytes)] == [0] * 8
