@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import tpviz
+from tpviz.format import human_bytes
 from tpviz.keymap import pieces
 from tpviz.models import FIXED_PROMPT
 
@@ -181,6 +182,61 @@ def test_ep_on_a_dense_model_warns_and_changes_nothing(tiny):
     plan = tpviz.resolve_plan(tiny, 2, experts="ep")
     assert not plan.errors and "no_experts" in {w.code for w in plan.warnings}
     assert plan.per_rank_bytes == tpviz.resolve_plan(tiny, 2).per_rank_bytes
+
+
+# --- seen per rank: the PlanView's experts x ranks grid and the Dashboard's layout control ----
+
+
+def _grid(plan, module):
+    from tpviz.widgets import figures
+
+    (heat,) = figures.experts_grid_figure(plan, module).data
+    return dict(zip(heat.y, zip(heat.z, heat.text)))
+
+
+def test_the_experts_grid_shows_who_holds_which_expert(moe):
+    from tpviz.widgets import figures
+
+    module = EXPERTS.format(0)
+    tp = tpviz.resolve_plan(moe["qwen2_moe"], 2, TP["qwen2_moe"])
+    ep = tpviz.resolve_plan(moe["qwen2_moe"], 2, TP["qwen2_moe"], experts="ep")
+    assert figures.experts_modules(ep) == [EXPERTS.format(i) for i in range(2)]
+    per_expert = sum(t.nbytes for t in ep.params if t.module == module) // 4
+    grid = _grid(ep, module)
+    for expert in range(4):  # whole experts: 0 and 1 on rank 0, 2 and 3 on rank 1
+        share, text = grid[f"expert {expert}"]
+        assert list(share) == ([1, 0] if expert < 2 else [0, 1])
+        assert human_bytes(per_expert) in text and "—" in text
+    grid = _grid(tp, module)
+    for expert in range(4):  # a half of every expert on each rank
+        share, text = grid[f"expert {expert}"]
+        assert list(share) == [0.5, 0.5] and list(text) == [human_bytes(per_expert // 2)] * 2
+    # the router and the shared expert, beside the experts, as the plan places them
+    assert list(grid["gate (replicate)"][0]) == [1, 1]
+    shared = next(label for label in grid if label.startswith("shared_expert ("))
+    assert sum(grid[shared][0]) == pytest.approx(2)  # replicated: whole on both ranks
+    view = tpviz.PlanView(ep)
+    assert view.experts_box.layout.display != "none"
+    assert view.experts_figure.data[0].meta["experts"] == "ep"
+    bars = {bar.name for bar in view.bytes_figure.data if bar.type == "bar"}
+    assert "grouped_gemm" in bars  # per-rank bytes by style include the expert styles
+    view.set_plan(tp)
+    assert view.experts_figure.data[0].meta["experts"] == "tp"
+    assert "packed_colwise" in {bar.name for bar in view.bytes_figure.data if bar.type == "bar"}
+
+
+def test_the_dashboard_switches_the_experts_layout(moe, tiny, tmp_path):
+    dash = tpviz.Dashboard(moe["mixtral"], cache=tmp_path)
+    assert dash.plan.experts == "tp"
+    dash.experts.value = "ep"
+    assert dash.plan.experts == "ep" and not dash.plan.errors
+    assert dash.plan.module_styles[EXPERTS.format(0)] == "ep_dispatch_experts"
+    assert json.loads(dash.plan_editor.value)["model.layers.*.mlp.experts"] == "ep_dispatch_experts"
+    dash.plan_view.world_size.value = 4  # resolved again under the same layout
+    assert dash.plan.world_size == 4 and dash.plan.experts == "ep"
+    dash.source.value = str(tiny)  # a dense model: the grid is hidden
+    assert dash.plan_view.experts_box.layout.display == "none"
+    dash.shutdown()
 
 
 # --- loads and forwards (spawned process groups) --------------------------------------------

@@ -24,7 +24,10 @@ from .types import TensorPlan
 LAYOUTS = ("tp", "ep")
 EP_MODULE = "ep_dispatch_experts"
 EP_TENSOR = "grouped_gemm"
-_EXPERT_STYLES = {"moe_tp_experts", EP_MODULE}
+EXPERT_STYLES = {  # the styles that run an experts module
+    "moe_tp_experts",
+    EP_MODULE,
+}
 # how configs name the number of routed experts (Mixtral, Qwen/OLMoE, DeepSeek)
 _COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -61,7 +64,7 @@ def find_experts(
         stacked = [p for p in params.values() if p.dim() >= 3]
         if not stacked:
             continue
-        named = _style_name(compiled.peek(name)) in _EXPERT_STYLES
+        named = _style_name(compiled.peek(name)) in EXPERT_STYLES
         n = stacked[0].shape[0] if named else count
         if n is None or not any(p.shape[0] == n for p in stacked):
             continue
