@@ -82,11 +82,11 @@ def expert_parallel_plan(
         inner = skeleton.get_submodule(module)
         names += [_join(module, n) for n, _ in inner.named_modules()]
         names += [_join(module, n) for n, _ in inner.named_parameters()]
-    kept = {
-        pattern: style
-        for pattern, style in patterns.items()
-        if not any(PlanKey.compile(pattern, str(style)).regex.search(n) for n in names)
-    }
+    kept = {}
+    for pattern, style in patterns.items():
+        regex = PlanKey.compile(pattern, str(style)).regex
+        if not any(regex.search(n) for n in names):
+            kept[pattern] = style
     added: dict[str, str] = {}
     for module, leaves in experts.items():
         wildcard = ".".join("*" if s.isdigit() else s for s in module.split("."))
