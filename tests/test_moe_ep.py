@@ -184,6 +184,25 @@ def test_ep_on_a_dense_model_warns_and_changes_nothing(tiny):
     assert plan.per_rank_bytes == tpviz.resolve_plan(tiny, 2).per_rank_bytes
 
 
+def test_transformers_ep_plan_runs_as_given_and_half_of_it_is_refused(moe):
+    ep_plan = {  # transformers' base_model_ep_plan for Mixtral, given as a plan
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": "ep_dispatch_experts",
+    }
+    plan = tpviz.resolve_plan(moe["mixtral"], 2, ep_plan)
+    assert not plan.errors and plan.tensor(f"{EXPERTS.format(0)}.down_proj").placement == (
+        "shard(0)"
+    )
+    for half in (
+        {k: v for k, v in ep_plan.items() if v == "grouped_gemm"},
+        {"layers.*.mlp.experts": "ep_dispatch_experts"},
+    ):
+        errors = tpviz.resolve_plan(moe["mixtral"], 2, half).errors
+        assert {e.code for e in errors} == {"incomplete_expert_parallel"}
+        assert EXPERTS.format(0) in errors[0].message and "--experts ep" in errors[0].message
+
+
 # --- seen per rank: the PlanView's experts x ranks grid and the Dashboard's layout control ----
 
 

@@ -100,22 +100,38 @@ def _join(module: str, leaf: str) -> str:
     return f"{module}.{leaf}" if leaf else module
 
 
-def check_expert_split(entries: list[TensorPlan], world_size: int, errors: Issues) -> None:
-    """Whole experts per rank: transformers' experts kernels run the same expert count on
-    every rank, so an expert count the world size does not divide is refused before launch."""
-    seen: set[str] = set()
-    for e in entries:
-        if e.style != EP_TENSOR or e.module in seen or not e.global_shape:
+def check_expert_parallel(
+    entries: list[TensorPlan], module_styles: Mapping[str, str], world_size: int, errors: Issues
+) -> None:
+    """Whole experts per rank need both halves of the EP plan: `grouped_gemm` tensors inside an
+    `ep_dispatch_experts` module (which remaps the routes to them), and an expert count the
+    world size divides (transformers' experts kernels run the same count on every rank)."""
+    held = {e.module: e for e in entries if e.style == EP_TENSOR and e.global_shape}
+    for module, style in module_styles.items():
+        if style == EP_MODULE and module not in held:
+            errors.add(
+                "incomplete_expert_parallel",
+                module,
+                f"{module}: {EP_MODULE} needs its stacked expert tensors placed {EP_TENSOR} "
+                "(whole experts per rank); use --experts ep (experts='ep'), which places both",
+            )
+    for module, e in held.items():
+        if module_styles.get(module) != EP_MODULE:
+            errors.add(
+                "incomplete_expert_parallel",
+                module,
+                f"{e.name}: {EP_TENSOR} places whole experts per rank, which only a module "
+                f"styled {EP_MODULE} runs (it remaps the routes); use --experts ep "
+                "(experts='ep'), which places both",
+            )
             continue
-        seen.add(e.module)
         n = e.global_shape[0]
-        if n % world_size == 0:
-            continue
-        works = ", ".join(str(w) for w in range(1, n + 1) if n % w == 0)
-        errors.add(
-            "uneven_experts",
-            e.module,
-            f"{e.module}: {n} experts cannot be split evenly over {world_size} ranks (expert "
-            f"parallelism holds whole experts, the same number on every rank); world sizes "
-            f"that work: {works}",
-        )
+        if n % world_size:
+            works = ", ".join(str(w) for w in range(1, n + 1) if n % w == 0)
+            errors.add(
+                "uneven_experts",
+                module,
+                f"{module}: {n} experts cannot be split evenly over {world_size} ranks (expert "
+                f"parallelism holds whole experts, the same number on every rank); world sizes "
+                f"that work: {works}",
+            )

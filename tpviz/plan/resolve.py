@@ -24,7 +24,7 @@ from ..models import ModelAdapter, adapter_for_module, build_skeleton, get_adapt
 from ..models.config import config_dtype
 from ..strategies import STRATEGIES, forecast
 from .experts import (
-    check_expert_split,
+    check_expert_parallel,
     check_layout,
     expert_count,
     expert_parallel_plan,
@@ -162,7 +162,7 @@ def _resolve(
     report_unmatched(compiled, issues.warnings)
     counts = found.adapter.head_counts(found.config)
     check_heads(found.skeleton, counts, walk.entries, walk.module_styles, world_size, issues)
-    check_expert_split(walk.entries, world_size, issues.errors)
+    check_expert_parallel(walk.entries, walk.module_styles, world_size, issues.errors)
     _check_checkpoint(found, walk.entries, issues)
     warn_if_mostly_replicated(walk.entries, world_size, issues.warnings)
     plan = _plan(found, walk, world_size, target, patterns, issues)

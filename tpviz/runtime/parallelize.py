@@ -119,7 +119,7 @@ def _install_partial_hooks(
     DTensor would do for Replicate -> Partial (divide) and Partial -> Replicate (all-reduce);
     experts under expert parallelism (`experts`: this rank's first and count) see their routes
     remapped first."""
-    if forward.input == ROUTED and experts is not None:
+    if forward.input == ROUTED and experts is not None:  # the plan checks it has experts
         _install_routing(module, *experts)
     if forward.input == PARTIAL:
         module.register_forward_pre_hook(lambda mod, inputs: _split_input(mod, inputs, mesh))
