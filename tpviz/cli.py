@@ -147,6 +147,7 @@ def _resolve(args: argparse.Namespace):
         dtype=args.dtype,
         model=args.model,
         kv_replication=not args.no_kv_replication,
+        experts=args.experts,
     )
 
 

@@ -26,6 +26,13 @@ def _shared(p: argparse.ArgumentParser) -> None:
         help="refuse world sizes past the key-value heads instead of replicating each "
         "key-value head over the ranks that use it",
     )
+    p.add_argument(
+        "--experts",
+        choices=["tp", "ep"],
+        default="tp",
+        help="mixture-of-experts layout: tp cuts every expert as the plan says, ep gives each "
+        "rank whole experts (default tp)",
+    )
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 

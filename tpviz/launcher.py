@@ -109,10 +109,12 @@ def launch(
     memory_hz: float = 20.0,
     force: bool = False,
     kv_replication: bool = True,
+    experts: str | None = None,
 ) -> LoadJob:
     """Start loading `source` on `world_size` local ranks; returns a LoadJob at once.
 
     `plan` is a pattern dict, a plan file or a ResolvedPlan (whose world size must match).
+    `experts`: "tp" (default) or "ep", the mixture-of-experts layout (see `resolve_plan`).
     `init="random"` initialises from `seed` instead of loading (a config-only source needs it).
     `profile_dir` writes torch.profiler traces (one TensorBoard worker per rank);
     `profile_forward` also profiles one forward of the fixed prompt after loading.
@@ -123,7 +125,15 @@ def launch(
     _end_rank_running_an_unguarded_script()
     _check_seconds("timeout", timeout)
     _check_seconds("heartbeat_timeout", heartbeat_timeout)
-    resolved = resolve_plan(source, world_size, plan, dtype, model, kv_replication=kv_replication)
+    resolved = resolve_plan(
+        source,
+        world_size,
+        plan,
+        dtype=dtype,
+        model=model,
+        kv_replication=kv_replication,
+        experts=experts,
+    )
     resolved.raise_for_errors()
     if resolved.source is None:
         raise ValueError(
@@ -167,6 +177,7 @@ def compare(
         dtype=launch_kwargs.pop("dtype", None),
         model=launch_kwargs.pop("model", None),
         kv_replication=launch_kwargs.pop("kv_replication", True),
+        experts=launch_kwargs.pop("experts", None),
     )
     results = []
     for strategy in strategies:

@@ -100,6 +100,7 @@ class ResolvedPlan:
     # attention module -> query heads per key-value head on each rank, where the key-value
     # heads are replicated (its `num_key_value_groups` on the ranks)
     local_kv_groups: dict[str, int] = field(default_factory=dict)
+    experts: str = "tp"  # mixture-of-experts layout: "tp" (cut by the plan) or "ep" (whole)
 
     def tensor(self, name: str) -> TensorPlan:
         if not hasattr(self, "_by_name"):

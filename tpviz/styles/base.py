@@ -29,6 +29,9 @@ SHARD_FEATURES = "shard(-1)"  # an activation cut along its last (feature) dim
 # a sum over the ranks, each rank holding one term: computed on plain local tensors, never as
 # a DTensor (DTensor turns a replicated value into a partial one by dividing it by the ranks)
 PARTIAL = "partial"
+# the input of an experts module under expert parallelism: the router's (global) expert ids,
+# remapped on each rank to its own experts, every other route masked
+ROUTED = "routed"
 
 
 def module_kind(module: nn.Module) -> str:

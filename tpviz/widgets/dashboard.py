@@ -57,6 +57,7 @@ class Dashboard(widgets.VBox):
             [
                 widgets.HBox([self.model, self.source]),
                 widgets.HBox([self.strategy, self.dtype, self.device, self.verify, self.profile]),
+                self.experts,
                 widgets.HBox([self.load_button, self.status]),
                 self.tabs,
             ]
@@ -89,6 +90,11 @@ class Dashboard(widgets.VBox):
             description="dtype",
         )
         self.device = widgets.Dropdown(options=devices, description="device")
+        self.experts = widgets.ToggleButtons(
+            options=[("experts: TP slices", "tp"), ("experts: whole per rank (EP)", "ep")],
+            value="tp",
+            tooltips=["every rank a slice of every expert", "each rank whole experts"],
+        )
         self.verify = widgets.Checkbox(value=True, description="verify", indent=False)
         self.profile = widgets.Checkbox(value=False, description="profile", indent=False)
         self.load_button = widgets.Button(description="Load", icon="play", button_style="primary")
@@ -135,6 +141,8 @@ class Dashboard(widgets.VBox):
         self.model.observe(lambda _: self.open_source(), "value")
         self.source.observe(lambda _: self.open_source(), "value")
         self.dtype.observe(self._on_dtype, "value")
+        # the layout changes the plan's keys for the experts: start again from the default plan
+        self.experts.observe(lambda _: self.open_source(), "value")
         self.plan_editor.observe(self._on_plan_text, "value")
         self.suggest_button.on_click(lambda _: self.suggest())
 
@@ -161,7 +169,10 @@ class Dashboard(widgets.VBox):
         world_size = self.plan_view.world_size.value if self.plan_view else self._world_size
         try:
             plan = resolve_plan(
-                self.source.value.strip(), world_size, dtype=self.dtype.value or None
+                self.source.value.strip(),
+                world_size,
+                dtype=self.dtype.value or None,
+                experts=self.experts.value,
             )
         except (ValueError, OSError) as e:
             self._patterns = None  # nothing to load until a source resolves
@@ -219,7 +230,11 @@ class Dashboard(widgets.VBox):
             return None
         try:
             plan = resolve_plan(
-                self.plan.source, self.plan.world_size, patterns, dtype=self.dtype.value or None
+                self.plan.source,
+                self.plan.world_size,
+                patterns,
+                dtype=self.dtype.value or None,
+                experts=self.experts.value,
             )
         except (ValueError, OSError) as e:
             self._patterns = None
