@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
 
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError
 from ..events import Done, Phase, RankPhase
@@ -32,6 +31,7 @@ from .memory import MemorySampler, PeakRss
 from .parallelize import apply_styles, leftover_meta, local_of, lookup, shard_report
 from .reference import FullModel, plan_skeleton
 from .sink import EventSink
+from .staging import PinnedStager
 
 SLICED_INIT_NOTE = (
     "sliced draws each shard on its own rank, so its shards cannot equal a single-process "
@@ -115,6 +115,8 @@ def load_in_group(
     if options.init == "checkpoint" and (options.strategy != "rank0_broadcast" or rank == 0):
         ctx.checkpoint = _open_checkpoint(plan)
         ctx.reader = BlockReader()
+        if device.type == "cuda":
+            ctx.stager = PinnedStager(device, ctx.ledger, ctx.reader)
     sampler = MemorySampler(
         rank, ctx.ledger, sink.emit, options.memory_hz, device, on_tick=sink.flush
     )
@@ -147,9 +149,6 @@ def _prepare(
             ledger.alloc(local_of(lookup(model, t.name)).nbytes)
     mesh = init_device_mesh(device.type, (plan.world_size,))
     apply_styles(model, plan, mesh)
-    # DTensor's first use imports torch._dynamo (about a second): pay it here, at startup,
-    # rather than inside the timed load
-    DTensor.from_local(torch.empty(0, device=device), mesh, [Replicate()], run_check=False)
     return LoadContext(
         model=model,
         plan=plan,
@@ -248,6 +247,8 @@ def _run_strategy(ctx: LoadContext, options: LoadOptions, config: dict) -> None:
     ctx.init = options.init
     ctx.make_reference = lambda: FullModel(ctx.plan, ctx.adapter, config, ctx.seed)
     STRATEGIES[options.strategy](ctx)
+    if ctx.stager is not None:
+        ctx.stager.finish()
 
 
 def _checksum(tensor: torch.Tensor) -> int:
