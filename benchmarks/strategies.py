@@ -10,6 +10,9 @@ bytes sent/received, with ratios to sliced. Then:
   copy bandwidth of this machine: a single-threaded `copy_` of the same number of bytes
   between two tensors that own their memory, best of 5, as many processes at once as ranks;
   both into memory already touched and into fresh tensors (which any loader must fault in);
+- each sliced rank's `seconds` against the floor of a loader that owns its memory (fresh
+  memory for exactly the rank's bytes, filled from the page cache by large reads), measured in
+  every round just before the strategies, in as many processes at once as ranks;
 - the check that each sliced rank's peak tensor bytes stay within its final shard plus the
   largest single slice it reads;
 - what profiling off costs: the no-op span calls of one load, timed.
@@ -28,7 +31,7 @@ import time
 import timeit
 
 import torch
-from common import gib, median, parse_args
+from common import floor_load, gib, median, parse_args
 
 import tpviz
 from tpviz.profiling import no_span
@@ -62,6 +65,32 @@ def machine_copy_bandwidth(nbytes: int, processes: int) -> tuple[float, float]:
     return median(r[0] for r in rates), median(r[1] for r in rates)
 
 
+def timed_floor(source: str, nbytes: int, rank: int, world: int, start, queue) -> None:
+    """One rank's floor: fresh memory for exactly its bytes, filled from the page cache."""
+    torch.set_num_threads(1)
+    start.wait()  # all ranks at once, as they load
+    begin = time.perf_counter()
+    floor_load(source, nbytes, rank, world)
+    queue.put((rank, time.perf_counter() - begin))
+
+
+def floor_seconds(source, per_rank_bytes: list[int]) -> list[float]:
+    """Each rank's floor, its processes running at once (spawned, like the ranks)."""
+    ctx = mp.get_context("spawn")
+    queue, world = ctx.Queue(), len(per_rank_bytes)
+    start = ctx.Barrier(world)
+    procs = [
+        ctx.Process(target=timed_floor, args=(str(source), n, r, world, start, queue))
+        for r, n in enumerate(per_rank_bytes)
+    ]
+    for p in procs:
+        p.start()
+    seconds = dict(queue.get() for _ in procs)
+    for p in procs:
+        p.join()
+    return [seconds[r] for r in range(world)]
+
+
 def main() -> None:
     args, source = parse_args(__doc__.splitlines()[0])
     w = args.world_size
@@ -75,7 +104,10 @@ def main() -> None:
     with tpviz.launch(source, w, plan) as job:  # warm the page cache: every run reads warm
         job.wait()
     results: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
+    floors: list[list[float]] = []
     for i in range(args.rounds):
+        floors.append(floor_seconds(source, plan.per_rank_bytes))
+        print(f"  round {i + 1} floor            {max(floors[-1]):.2f} s", flush=True)
         for strategy in STRATEGIES:
             with tpviz.launch(source, w, plan, strategy=strategy) as job:
                 results[strategy].append(job.wait())
@@ -115,6 +147,19 @@ def main() -> None:
         print(
             f"  sliced rank {rank} reads {read / 1e9:.2f} GB/s (page cache warm) = "
             f"{read / warm:.0%} of the warm copy, {read / fresh:.0%} of the fresh copy"
+        )
+
+    print(
+        "\nsliced rank seconds (tpviz load --json `seconds`: allocation included) against the "
+        "floor (fresh memory for exactly the rank's bytes, filled from the page cache), "
+        "measured in the same rounds:"
+    )
+    for rank in range(w):
+        each = [r["ranks"][rank]["seconds"] / f[rank] for r, f in zip(results["sliced"], floors)]
+        print(
+            f"  rank {rank}: sliced {med('sliced', rank, 'seconds'):.3f} s, floor "
+            f"{median(f[rank] for f in floors):.3f} s: {median(each):.2f}x "
+            f"({min(each):.2f}-{max(each):.2f}) (target <= 1.1x)"
         )
 
     print("\nsliced peak tensor bytes against final shard + largest slice:")
