@@ -58,11 +58,25 @@ def resolve_plan(
             )
         return plan
     with _gc_paused():
-        return _resolve_source(source, world_size, plan, dtype, model, checkpoint)
+        return _resolve_source(source, world_size, plan, dtype, model, checkpoint)[0]
+
+
+def resolve_and_keep(
+    source: str | os.PathLike,
+    world_size: int,
+    plan: Mapping[str, str] | str | os.PathLike | None = None,
+    dtype: str | torch.dtype | None = None,
+    model: str | None = None,
+) -> tuple[ResolvedPlan, SourceModel]:
+    """`resolve_plan` of a checkpoint (or config) directory that also hands back what it
+    read: a process that goes on to load the source (load_sharded's rank 0) then builds the
+    skeleton and reads the headers once, not twice."""
+    with _gc_paused():
+        return _resolve_source(source, world_size, plan, dtype, model, None)
 
 
 @dataclass
-class _Model:
+class SourceModel:
     """What resolution reads: the meta skeleton, its adapter and config, the checkpoint."""
 
     skeleton: nn.Module
@@ -79,22 +93,22 @@ def _resolve_source(
     dtype: str | torch.dtype | None,
     model: str | None,
     checkpoint: str | os.PathLike | None,
-) -> ResolvedPlan:
+) -> tuple[ResolvedPlan, SourceModel]:
     if isinstance(source, nn.Module):
         adapter = adapter_for_module(source)
         ckpt = Checkpoint.open(checkpoint) if checkpoint is not None else None
-        found = _Model(source, adapter, adapter.config_of(source), ckpt, None)
+        found = SourceModel(source, adapter, adapter.config_of(source), ckpt, None)
     else:
         config = read_config(source)
         adapter = get_adapter(config, model, source)
         skeleton = build_skeleton(adapter, config)
         ckpt = Checkpoint.open(checkpoint if checkpoint is not None else source)
-        found = _Model(skeleton, adapter, config, ckpt, str(Path(source).resolve()))
+        found = SourceModel(skeleton, adapter, config, ckpt, str(Path(source).resolve()))
     patterns = load_plan_patterns(plan)
     if patterns is None:
         patterns = found.adapter.default_plan(found.skeleton)
     target = _target_dtype(dtype, found.config, found.ckpt)
-    return _resolve(found, world_size, patterns, target)
+    return _resolve(found, world_size, patterns, target), found
 
 
 @contextlib.contextmanager
@@ -129,7 +143,7 @@ def _target_dtype(
 
 
 def _resolve(
-    found: _Model, world_size: int, patterns: Mapping[str, str], target: torch.dtype
+    found: SourceModel, world_size: int, patterns: Mapping[str, str], target: torch.dtype
 ) -> ResolvedPlan:
     compiled = CompiledPlan(patterns)
     issues = PlanIssues()
@@ -147,7 +161,7 @@ def _resolve(
     return _plan(found, walk, world_size, target, patterns, issues)
 
 
-def _check_checkpoint(found: _Model, entries: list[TensorPlan], issues: PlanIssues) -> None:
+def _check_checkpoint(found: SourceModel, entries: list[TensorPlan], issues: PlanIssues) -> None:
     """Files the checkpoint skips, and each loaded tensor's keys checked against the headers."""
     ckpt = found.ckpt
     if ckpt is None:
@@ -163,7 +177,7 @@ def _check_checkpoint(found: _Model, entries: list[TensorPlan], issues: PlanIssu
 
 
 def _plan(
-    found: _Model,
+    found: SourceModel,
     walk: Walk,
     world_size: int,
     target: torch.dtype,

@@ -22,6 +22,7 @@ from ..checkpoint import BlockReader, Checkpoint, CheckpointError
 from ..events import Done, Phase, RankPhase
 from ..models import ModelAdapter, get_adapter, prompt_ids, read_config
 from ..plan import ResolvedPlan, resolve_plan
+from ..plan.resolve import SourceModel, resolve_and_keep
 from ..profiling import PHASE_PREFIX, rank_profiler
 from ..results import RankResult
 from ..strategies import STRATEGIES, Ledger, forecast
@@ -99,21 +100,26 @@ def rank_device(device: str) -> torch.device:
 
 
 def load_in_group(
-    plan: ResolvedPlan, options: LoadOptions, sink: EventSink, device: torch.device
+    plan: ResolvedPlan,
+    options: LoadOptions,
+    sink: EventSink,
+    device: torch.device,
+    found: SourceModel | None = None,
 ) -> ShardedModel:
-    """Load `plan` on this rank. Every rank of the default process group calls it."""
+    """Load `plan` on this rank. Every rank of the default process group calls it; `found`:
+    what this process read to resolve the plan (its skeleton, config and checkpoint), reused."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != plan.world_size:
         raise ValueError(f"the plan is for {plan.world_size} ranks, the process group has {world}")
     options.validate(plan)
     plan.raise_for_errors()
     sink.emit(Phase(rank, time.time(), name=RankPhase.SKELETON))
-    config = read_config(plan.source)
-    ctx = _prepare(plan, config, rank, device, sink.emit)
+    config = found.config if found else read_config(plan.source)
+    ctx = _prepare(plan, config, rank, device, sink.emit, found)
     ctx.seed = options.seed + options.seed_skew.get(rank, 0)
     # in rank0_broadcast only rank 0 reads: the others may not even see the files
     if options.init == "checkpoint" and (options.strategy != "rank0_broadcast" or rank == 0):
-        ctx.checkpoint = _open_checkpoint(plan)
+        ctx.checkpoint = found.ckpt if found and found.ckpt else _open_checkpoint(plan)
         ctx.reader = BlockReader()
         if device.type == "cuda":
             ctx.stager = PinnedStager(device, ctx.ledger, ctx.reader)
@@ -138,11 +144,22 @@ def load_in_group(
 
 
 def _prepare(
-    plan: ResolvedPlan, config: dict, rank: int, device: torch.device, emit
+    plan: ResolvedPlan,
+    config: dict,
+    rank: int,
+    device: torch.device,
+    emit,
+    found: SourceModel | None,
 ) -> LoadContext:
     """The meta skeleton with computed buffers made for real and styles installed."""
-    adapter = get_adapter(config, plan.model, plan.source)
-    model = plan_skeleton(plan, adapter, config, device)
+    if found is not None:
+        adapter, model = (
+            found.adapter,
+            plan_skeleton(plan, found.adapter, config, device, found.skeleton),
+        )
+    else:
+        adapter = get_adapter(config, plan.model, plan.source)
+        model = plan_skeleton(plan, adapter, config, device)
     ledger = Ledger()
     for t in plan.params:
         if t.origin == "computed":
@@ -342,24 +359,32 @@ def load_sharded(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    resolved = _resolve_on_rank0(source, plan, dtype, model)
+    resolved, found = _resolve_on_rank0(source, plan, dtype, model)
     options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
     sink = EventSink(dist.get_rank(), events_dir=events_dir)
     try:
-        return load_in_group(resolved, options, sink, rank_device(device))
+        return load_in_group(resolved, options, sink, rank_device(device), found)
     finally:
         sink.close()
 
 
-def _resolve_on_rank0(source, plan, dtype, model) -> ResolvedPlan:
+def _resolve_on_rank0(source, plan, dtype, model) -> tuple[ResolvedPlan, SourceModel | None]:
+    """The plan every rank executes, and on rank 0 what it read to resolve it (loading goes
+    on from that skeleton and those headers rather than building and reading them again)."""
     box: list[Any] = [None]
+    found = None
     if dist.get_rank() == 0:
+        world = dist.get_world_size()
         try:
-            box = [resolve_plan(source, dist.get_world_size(), plan, dtype=dtype, model=model)]
+            if isinstance(plan, ResolvedPlan):
+                box = [resolve_plan(source, world, plan)]
+            else:
+                resolved, found = resolve_and_keep(source, world, plan, dtype=dtype, model=model)
+                box = [resolved]
         except Exception as e:
             dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=0)
             raise
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], str):
         raise RuntimeError(f"rank 0 could not resolve the plan: {box[0]}")
-    return box[0]
+    return box[0], found
