@@ -32,11 +32,12 @@ class Split:
 
     PARTS = {  # part -> (module, attribute) of the function it is timed around
         "imports": (builtins, "__import__"),
-        "plan": ("tpviz.runtime.loader", "resolve_plan"),
+        "plan": ("tpviz.runtime.loader", "_resolve_on_rank0"),  # rank 0 resolves, others wait
         "skeleton": ("tpviz.runtime.loader", "_prepare"),
         "allocation": ("tpviz.runtime.executor.LoadContext", "empty"),
         "reads": ("tpviz.runtime.executor", "read_into"),
         "wrapping": ("tpviz.runtime.executor.LoadContext", "install"),
+        "checks": ("tpviz.runtime.loader", "_rank_result"),  # shards against the plan
     }
 
     def __init__(self) -> None:

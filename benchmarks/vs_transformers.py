@@ -6,10 +6,11 @@ runs (this machine is shared and noisy), and are measured the same way inside ea
 group setup) to a barrier when all ranks are done, having read every byte of every local
 tensor, and peak RSS growth above the resident set at that start (the kernel's high-water
 mark, reset there). tpviz's `load_sharded` call is split into imports, plan, skeleton,
-allocation (fresh memory for the shards, faulted in), reads and wrapping (DTensor parameters)
-by timers around the functions doing each. A third run in each round, `floor`, only takes
-fresh memory for the bytes tpviz's plan gives each rank and copies them in from the
-checkpoint: the least any loader that owns its shards' memory must do on this machine.
+allocation (fresh memory for the shards, faulted in), reads, wrapping (DTensor parameters)
+and checks (shards against the plan) by timers around the functions doing each. A third run
+in each round, `floor`, only takes fresh memory for the bytes tpviz's plan gives each rank and
+copies them in from the checkpoint: the least any loader that owns its shards' memory must do
+on this machine.
 Needs `pip install -e '.[bench]'`.
 
     python benchmarks/vs_transformers.py [SOURCE] [--world-size 2] [--rounds 3]
@@ -31,7 +32,7 @@ from common import gib, median, parse_args
 
 HERE = Path(__file__).resolve().parent
 LOADERS = ("transformers", "tpviz", "floor")
-PARTS = ("imports", "plan", "skeleton", "allocation", "reads", "wrapping")
+PARTS = ("imports", "plan", "skeleton", "allocation", "reads", "wrapping", "checks")
 
 
 def run(which: str, source: Path, world_size: int, out: Path) -> list[dict]:
@@ -115,7 +116,7 @@ def main() -> None:
         print(
             f"          tpviz's load_sharded call {parts['call']:.3f} s: "
             + ", ".join(f"{p} {parts[p]:.3f}" for p in PARTS)
-            + f", the rest (events, checks, barriers) {rest:.3f}"
+            + f", the rest (events, memory samples, barriers) {rest:.3f}"
         )
     print(
         f"same logits on the fixed prompt: max |tpviz - transformers| = {diff:.2e} "
