@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from tpviz.checkpoint import Checkpoint
 from tpviz.models.demo import demo_checkpoint
@@ -62,3 +64,14 @@ def floor_load(source: str, nbytes: int, rank: int, world_size: int) -> torch.Te
         if filled == nbytes:
             break
     return out
+
+
+def floor_in_rank(loaded, source: str, per_rank_bytes: list[int]) -> float:
+    """Seconds of the floor inside a loaded job's rank (`job.call`): the ranks' own processes,
+    all at once, as they load."""
+    rank = dist.get_rank()
+    start = time.perf_counter()
+    out = floor_load(source, per_rank_bytes[rank], rank, len(per_rank_bytes))
+    seconds = time.perf_counter() - start
+    del out
+    return seconds

@@ -11,8 +11,8 @@ bytes sent/received, with ratios to sliced. Then:
   between two tensors that own their memory, best of 5, as many processes at once as ranks;
   both into memory already touched and into fresh tensors (which any loader must fault in);
 - each sliced rank's `seconds` against the floor of a loader that owns its memory (fresh
-  memory for exactly the rank's bytes, filled from the page cache by large reads), measured in
-  every round just before the strategies, in as many processes at once as ranks;
+  memory for exactly the rank's bytes, filled from the page cache by large reads), measured
+  in every round right after the sliced load, inside the same rank processes, all at once;
 - the check that each sliced rank's peak tensor bytes stay within its final shard plus the
   largest single slice it reads;
 - what profiling off costs: the no-op span calls of one load, timed.
@@ -31,7 +31,7 @@ import time
 import timeit
 
 import torch
-from common import floor_load, gib, median, parse_args
+from common import floor_in_rank, gib, median, parse_args
 
 import tpviz
 from tpviz.profiling import no_span
@@ -65,32 +65,6 @@ def machine_copy_bandwidth(nbytes: int, processes: int) -> tuple[float, float]:
     return median(r[0] for r in rates), median(r[1] for r in rates)
 
 
-def timed_floor(source: str, nbytes: int, rank: int, world: int, start, queue) -> None:
-    """One rank's floor: fresh memory for exactly its bytes, filled from the page cache."""
-    torch.set_num_threads(1)
-    start.wait()  # all ranks at once, as they load
-    begin = time.perf_counter()
-    floor_load(source, nbytes, rank, world)
-    queue.put((rank, time.perf_counter() - begin))
-
-
-def floor_seconds(source, per_rank_bytes: list[int]) -> list[float]:
-    """Each rank's floor, its processes running at once (spawned, like the ranks)."""
-    ctx = mp.get_context("spawn")
-    queue, world = ctx.Queue(), len(per_rank_bytes)
-    start = ctx.Barrier(world)
-    procs = [
-        ctx.Process(target=timed_floor, args=(str(source), n, r, world, start, queue))
-        for r, n in enumerate(per_rank_bytes)
-    ]
-    for p in procs:
-        p.start()
-    seconds = dict(queue.get() for _ in procs)
-    for p in procs:
-        p.join()
-    return [seconds[r] for r in range(world)]
-
-
 def main() -> None:
     args, source = parse_args(__doc__.splitlines()[0])
     w = args.world_size
@@ -106,11 +80,11 @@ def main() -> None:
     results: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
     floors: list[list[float]] = []
     for i in range(args.rounds):
-        floors.append(floor_seconds(source, plan.per_rank_bytes))
-        print(f"  round {i + 1} floor            {max(floors[-1]):.2f} s", flush=True)
         for strategy in STRATEGIES:
             with tpviz.launch(source, w, plan, strategy=strategy) as job:
                 results[strategy].append(job.wait())
+                if strategy == "sliced":  # in the same rank processes, all at once
+                    floors.append(job.call(floor_in_rank, str(source), plan.per_rank_bytes))
             r = results[strategy][-1]
             print(f"  round {i + 1} {strategy:16s} load {r['load_seconds']:.2f} s", flush=True)
 
