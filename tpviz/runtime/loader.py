@@ -152,14 +152,8 @@ def _prepare(
     found: SourceModel | None,
 ) -> LoadContext:
     """The meta skeleton with computed buffers made for real and styles installed."""
-    if found is not None:
-        adapter, model = (
-            found.adapter,
-            plan_skeleton(plan, found.adapter, config, device, found.skeleton),
-        )
-    else:
-        adapter = get_adapter(config, plan.model, plan.source)
-        model = plan_skeleton(plan, adapter, config, device)
+    adapter = found.adapter if found else get_adapter(config, plan.model, plan.source)
+    model = plan_skeleton(plan, adapter, config, device, found.skeleton if found else None)
     ledger = Ledger()
     for t in plan.params:
         if t.origin == "computed":
