@@ -18,7 +18,6 @@ import time
 import psutil
 import torch
 import torch.distributed as dist
-import transformers
 from common import floor_load
 
 from tpviz.models import FIXED_PROMPT
@@ -85,10 +84,18 @@ def touch(tensors: list[torch.Tensor]) -> float:
 
 def main() -> None:
     which, source, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    # import what each loader uses lazily, so neither pays for imports inside the timing
-    transformers.AutoModelForCausalLM, transformers.LlamaForCausalLM  # noqa: B018
-    import tpviz.models.llama  # noqa: F401
-    import tpviz.runtime.loader  # noqa: F401
+    # each loader's own modules, imported as its program would before loading (and only its
+    # own: transformers' model classes import torch._dynamo, which a tpviz program does not
+    # import, so it must not be imported ahead of tpviz's call either)
+    import torch.distributed.tensor  # noqa: F401  (as in any TP program)
+
+    if which == "transformers":
+        import transformers
+
+        transformers.AutoModelForCausalLM, transformers.LlamaForCausalLM  # noqa: B018
+    else:
+        import tpviz.models.llama  # noqa: F401
+        import tpviz.runtime.loader  # noqa: F401
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

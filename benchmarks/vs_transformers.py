@@ -36,7 +36,13 @@ PARTS = ("imports", "plan", "skeleton", "allocation", "reads", "wrapping", "chec
 
 
 def run(which: str, source: Path, world_size: int, out: Path) -> list[dict]:
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"}
+    # torchrun keeps its logs under TMPDIR and never removes them: give it the run's temp dir
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONWARNINGS": "ignore",
+        "TMPDIR": str(out.parent),
+    }
     subprocess.run(
         [
             sys.executable,
