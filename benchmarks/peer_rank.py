@@ -10,21 +10,65 @@ many checkpoint bytes into it with large reads: no model, no plan, no per-tensor
 
 from __future__ import annotations
 
+import builtins
 import json
-import os
 import sys
 import time
 
 import psutil
 import torch
 import torch.distributed as dist
-import transformers
+from common import floor_load
 
-from tpviz.checkpoint import Checkpoint
 from tpviz.models import FIXED_PROMPT
-from tpviz.runtime.memory import PeakRss, prefault
+from tpviz.runtime.memory import PeakRss
 
-CHUNK = 64 << 20
+
+class Split:
+    """Seconds of one tpviz call spent in each part, by timers put around the functions that
+    do it; time goes to the innermost part running (an import inside the skeleton counts as
+    imports), so the parts add up to at most the call."""
+
+    PARTS = {  # part -> (module, attribute) of the function it is timed around
+        "imports": (builtins, "__import__"),
+        "plan": ("tpviz.runtime.loader", "_resolve_on_rank0"),  # rank 0 resolves, others wait
+        "skeleton": ("tpviz.runtime.loader", "_prepare"),
+        "allocation": ("tpviz.runtime.executor.LoadContext", "empty"),
+        "reads": ("tpviz.runtime.executor", "read_into"),
+        "wrapping": ("tpviz.runtime.executor.LoadContext", "install"),
+        "checks": ("tpviz.runtime.loader", "_rank_result"),  # shards against the plan
+    }
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(self.PARTS, 0.0)
+        self._stack: list[str] = []
+        self._since = 0.0
+        for part, (owner, name) in self.PARTS.items():
+            owner = _resolve(owner) if isinstance(owner, str) else owner
+            setattr(owner, name, self._timed(part, getattr(owner, name)))
+
+    def _timed(self, part: str, fn):
+        def timed(*args, **kwargs):
+            now = time.perf_counter()
+            if self._stack:
+                self.seconds[self._stack[-1]] += now - self._since
+            self._stack.append(part)
+            self._since = now
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                now = time.perf_counter()
+                self.seconds[self._stack.pop()] += now - self._since
+                self._since = now
+
+        return timed
+
+
+def _resolve(path: str):
+    module, _, cls = path.rpartition(".")
+    if cls[0].isupper():
+        return getattr(sys.modules[module], cls)
+    return sys.modules[path]
 
 
 def touch(tensors: list[torch.Tensor]) -> float:
@@ -38,48 +82,27 @@ def touch(tensors: list[torch.Tensor]) -> float:
     return total
 
 
-def floor_load(source: str, nbytes: int, rank: int, world_size: int) -> torch.Tensor:
-    """Fresh memory for `nbytes`, filled with `nbytes` of the checkpoint files' concatenated
-    bytes (rank 0 from the start, the last rank up to the end: all are in the page cache)."""
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    prefault(out)
-    view = memoryview(out.numpy())
-    files = Checkpoint.open(source).files
-    total = sum(os.path.getsize(f) for f in files)
-    if total < nbytes:
-        raise ValueError(f"{source} holds fewer than {nbytes} bytes")
-    skip, filled = rank * (total - nbytes) // max(1, world_size - 1), 0
-    for file in files:
-        size = os.path.getsize(file)
-        if skip >= size:
-            skip -= size
-            continue
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            position = skip
-            while position < size and filled < nbytes:
-                n = os.preadv(fd, [view[filled : filled + min(CHUNK, size - position)]], position)
-                position, filled = position + n, filled + n
-        finally:
-            os.close(fd)
-        skip = 0
-        if filled == nbytes:
-            break
-    return out
-
-
 def main() -> None:
     which, source, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    # import what each loader uses lazily, so neither pays for imports inside the timing
-    transformers.AutoModelForCausalLM, transformers.LlamaForCausalLM  # noqa: B018
-    import tpviz.models.llama  # noqa: F401
-    import tpviz.runtime.loader  # noqa: F401
+    # each loader's own modules, imported as its program would before loading (and only its
+    # own: transformers' model classes import torch._dynamo, which a tpviz program does not
+    # import, so it must not be imported ahead of tpviz's call either)
+    import torch.distributed.tensor  # noqa: F401  (as in any TP program)
+
+    if which == "transformers":
+        import transformers
+
+        transformers.AutoModelForCausalLM, transformers.LlamaForCausalLM  # noqa: B018
+    else:
+        import tpviz.models.llama  # noqa: F401
+        import tpviz.runtime.loader  # noqa: F401
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if which == "floor":
         shard_bytes = tpviz.resolve_plan(source, dist.get_world_size()).per_rank_bytes[rank]
     dist.barrier()
+    split = Split() if which == "tpviz" else None
     process = psutil.Process()
     before = process.memory_info()
     peak = PeakRss()  # baseline after imports and process-group setup
@@ -92,6 +115,7 @@ def main() -> None:
         tensors, forward = [*model.parameters(), *model.buffers()], model
     elif which == "tpviz":
         loaded = tpviz.load_sharded(source, memory_hz=0)
+        call = time.perf_counter() - start
         tensors, forward = [*loaded.model.parameters(), *loaded.model.buffers()], loaded.forward
     else:
         tensors = [floor_load(source, shard_bytes, rank, dist.get_world_size()).view(torch.float32)]
@@ -111,6 +135,8 @@ def main() -> None:
         "owned_growth": (after.rss - after.shared) - (before.rss - before.shared),
         "checksum": touched,
     }
+    if split is not None:
+        row["split"] = {**split.seconds, "call": call}
     logits = None
     if forward is not None:
         with torch.no_grad():

@@ -10,6 +10,9 @@ bytes sent/received, with ratios to sliced. Then:
   copy bandwidth of this machine: a single-threaded `copy_` of the same number of bytes
   between two tensors that own their memory, best of 5, as many processes at once as ranks;
   both into memory already touched and into fresh tensors (which any loader must fault in);
+- each sliced rank's `seconds` against the floor of a loader that owns its memory (fresh
+  memory for exactly the rank's bytes, filled from the page cache by large reads), measured
+  in every round right after the sliced load, inside the same rank processes, all at once;
 - the check that each sliced rank's peak tensor bytes stay within its final shard plus the
   largest single slice it reads;
 - what profiling off costs: the no-op span calls of one load, timed.
@@ -28,7 +31,7 @@ import time
 import timeit
 
 import torch
-from common import gib, median, parse_args
+from common import floor_in_rank, gib, median, parse_args
 
 import tpviz
 from tpviz.profiling import no_span
@@ -75,10 +78,13 @@ def main() -> None:
     with tpviz.launch(source, w, plan) as job:  # warm the page cache: every run reads warm
         job.wait()
     results: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
+    floors: list[list[float]] = []
     for i in range(args.rounds):
         for strategy in STRATEGIES:
             with tpviz.launch(source, w, plan, strategy=strategy) as job:
                 results[strategy].append(job.wait())
+                if strategy == "sliced":  # in the same rank processes, all at once
+                    floors.append(job.call(floor_in_rank, str(source), plan.per_rank_bytes))
             r = results[strategy][-1]
             print(f"  round {i + 1} {strategy:16s} load {r['load_seconds']:.2f} s", flush=True)
 
@@ -115,6 +121,19 @@ def main() -> None:
         print(
             f"  sliced rank {rank} reads {read / 1e9:.2f} GB/s (page cache warm) = "
             f"{read / warm:.0%} of the warm copy, {read / fresh:.0%} of the fresh copy"
+        )
+
+    print(
+        "\nsliced rank seconds (tpviz load --json `seconds`: allocation included) against the "
+        "floor (fresh memory for exactly the rank's bytes, filled from the page cache), "
+        "measured in the same rounds:"
+    )
+    for rank in range(w):
+        each = [r["ranks"][rank]["seconds"] / f[rank] for r, f in zip(results["sliced"], floors)]
+        print(
+            f"  rank {rank}: sliced {med('sliced', rank, 'seconds'):.3f} s, floor "
+            f"{median(f[rank] for f in floors):.3f} s: {median(each):.2f}x "
+            f"({min(each):.2f}-{max(each):.2f}) (target <= 1.1x)"
         )
 
     print("\nsliced peak tensor bytes against final shard + largest slice:")

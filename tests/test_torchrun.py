@@ -48,6 +48,8 @@ def test_load_sharded_under_torchrun_writes_each_ranks_events(tmp_path, tiny):
     output = json.loads(run.stdout.strip().splitlines()[-1])
     assert output["logits_shape"] == [1, 4, 1000]
     assert output["result"]["plan_matches_shards"]
+    assert not output["dynamo_in_load"]  # no second-long import inside the load
+    assert 0 < output["dtensor_params"] < output["params"]  # sharded ones; norms stay plain
     assert sorted(p.name for p in events_dir.iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
     events = read_events_dir(events_dir)
     units = len(resolve_plan(tiny, 2).units())

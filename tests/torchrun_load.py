@@ -6,14 +6,34 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor  # noqa: F401  (as in any TP program)
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 import tpviz
 
 if __name__ == "__main__":
     source, events_dir = sys.argv[1], sys.argv[2]
     loaded = tpviz.load_sharded(source, events_dir=events_dir)
+    # the load builds its DTensor parameters without importing torch._dynamo (about a second);
+    # the forward, dispatching through DTensor, imports it
+    dynamo_in_load = "torch._dynamo" in sys.modules
+    params = dict(loaded.model.named_parameters())
+    dtensor_params = sum(
+        isinstance(p, DTensor) and isinstance(p, nn.Parameter) for p in params.values()
+    )
     logits = loaded.forward(torch.tensor([[1, 5, 42, 7]]))
     if dist.get_rank() == 0:
-        print(json.dumps({"result": loaded.result, "logits_shape": list(logits.shape)}))
+        print(
+            json.dumps(
+                {
+                    "result": loaded.result,
+                    "logits_shape": list(logits.shape),
+                    "dynamo_in_load": dynamo_in_load,
+                    "dtensor_params": dtensor_params,
+                    "params": len(params),
+                }
+            )
+        )
     dist.barrier()  # no rank tears its group down while a peer still uses it
     dist.destroy_process_group()

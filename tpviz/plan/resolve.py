@@ -79,11 +79,30 @@ def resolve_plan(
     with _gc_paused():
         return _resolve_source(
             source, world_size, plan, dtype, model, checkpoint, kv_replication, experts or "tp"
+        )[0]
+
+
+def resolve_and_keep(
+    source: str | os.PathLike,
+    world_size: int,
+    plan: Mapping[str, str] | str | os.PathLike | None = None,
+    dtype: str | torch.dtype | None = None,
+    model: str | None = None,
+    kv_replication: bool = True,
+    experts: str = "tp",
+) -> tuple[ResolvedPlan, SourceModel]:
+    """`resolve_plan` of a checkpoint (or config) directory that also hands back what it
+    read: a process that goes on to load the source (load_sharded's rank 0) then builds the
+    skeleton and reads the headers once, not twice."""
+    check_layout(experts)
+    with _gc_paused():
+        return _resolve_source(
+            source, world_size, plan, dtype, model, None, kv_replication, experts
         )
 
 
 @dataclass
-class _Model:
+class SourceModel:
     """What resolution reads: the meta skeleton, its adapter and config, the checkpoint."""
 
     skeleton: nn.Module
@@ -102,22 +121,22 @@ def _resolve_source(
     checkpoint: str | os.PathLike | None,
     kv_replication: bool,
     experts: str,
-) -> ResolvedPlan:
+) -> tuple[ResolvedPlan, SourceModel]:
     if isinstance(source, nn.Module):
         adapter = adapter_for_module(source)
         ckpt = Checkpoint.open(checkpoint) if checkpoint is not None else None
-        found = _Model(source, adapter, adapter.config_of(source), ckpt, None)
+        found = SourceModel(source, adapter, adapter.config_of(source), ckpt, None)
     else:
         config = read_config(source)
         adapter = get_adapter(config, model, source)
         skeleton = build_skeleton(adapter, config)
         ckpt = Checkpoint.open(checkpoint if checkpoint is not None else source)
-        found = _Model(skeleton, adapter, config, ckpt, str(Path(source).resolve()))
+        found = SourceModel(skeleton, adapter, config, ckpt, str(Path(source).resolve()))
     patterns = load_plan_patterns(plan)
     if patterns is None:
         patterns = found.adapter.default_plan(found.skeleton)
     target = _target_dtype(dtype, found.config, found.ckpt)
-    return _resolve(found, world_size, patterns, target, kv_replication, experts)
+    return _resolve(found, world_size, patterns, target, kv_replication, experts), found
 
 
 @contextlib.contextmanager
@@ -152,7 +171,7 @@ def _target_dtype(
 
 
 def _resolve(
-    found: _Model,
+    found: SourceModel,
     world_size: int,
     patterns: Mapping[str, str],
     target: torch.dtype,
@@ -184,7 +203,7 @@ def _resolve(
 
 
 def _expert_parallel(
-    found: _Model, patterns: Mapping[str, str], issues: PlanIssues
+    found: SourceModel, patterns: Mapping[str, str], issues: PlanIssues
 ) -> Mapping[str, str]:
     """The plan with whole experts per rank, or as given (with a warning) without experts."""
     moes = find_experts(found.skeleton, patterns, expert_count(found.config))
@@ -199,7 +218,7 @@ def _expert_parallel(
     return expert_parallel_plan(patterns, found.skeleton, moes)
 
 
-def _check_checkpoint(found: _Model, entries: list[TensorPlan], issues: PlanIssues) -> None:
+def _check_checkpoint(found: SourceModel, entries: list[TensorPlan], issues: PlanIssues) -> None:
     """Files the checkpoint skips, and each loaded tensor's keys checked against the headers."""
     ckpt = found.ckpt
     if ckpt is None:
@@ -215,7 +234,7 @@ def _check_checkpoint(found: _Model, entries: list[TensorPlan], issues: PlanIssu
 
 
 def _plan(
-    found: _Model,
+    found: SourceModel,
     walk: Walk,
     world_size: int,
     target: torch.dtype,

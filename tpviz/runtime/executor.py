@@ -30,6 +30,7 @@ from ..strategies.executor import Unit, plan_units
 from ..strategies.reads import Read, block_view, fill_part, own_reads, whole_reads
 from .memory import prefault
 from .parallelize import install, is_distributed, local_of
+from .staging import PinnedStager
 
 
 class LoadFailure(RuntimeError):
@@ -71,6 +72,7 @@ class LoadContext:
     mesh: DeviceMesh | None = None
     checkpoint: Checkpoint | None = None
     reader: BlockReader | None = None
+    stager: PinnedStager | None = None  # on CUDA: reads into shards, double-buffered
     seed: int = 0
     span: Callable[[str], contextlib.AbstractContextManager] = no_span  # profiler ranges
     traffic: Traffic = field(default_factory=Traffic)
@@ -256,8 +258,8 @@ def read_into(
     reader: BlockReader | None = None,
 ) -> None:
     """Perform `reads` into `dest`: straight into place, or (staged) through a buffer of the
-    read's shape in the checkpoint's dtype. Without `ctx` (the single-process reference)
-    nothing is counted and `reader` reads."""
+    read's shape in the checkpoint's dtype (into a GPU tensor: through `ctx.stager`). Without
+    `ctx` (the single-process reference) nothing is counted and `reader` reads."""
     reader = reader or ctx.reader
     span = ctx.span if ctx else no_span
     for read in reads:
@@ -266,6 +268,10 @@ def read_into(
         if not read.staged:
             with span(READ):
                 reader.read_block(info, read.src_offset, read.shape, target)
+            continue
+        if ctx and ctx.stager and dest.device.type == "cuda":
+            with span(READ):
+                ctx.stager.stage(dest, read, info)
             continue
         if ctx:
             buf = ctx.empty(list(read.shape), info.torch_dtype, "cpu")

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
 
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError
 from ..events import Done, Phase, RankPhase
 from ..models import ModelAdapter, get_adapter, prompt_ids, read_config
 from ..plan import ResolvedPlan, resolve_plan
+from ..plan.resolve import SourceModel, resolve_and_keep
 from ..profiling import PHASE_PREFIX, rank_profiler
 from ..results import RankResult
 from ..strategies import STRATEGIES, Ledger, forecast
@@ -32,6 +32,7 @@ from .memory import MemorySampler, PeakRss
 from .parallelize import apply_styles, leftover_meta, local_of, lookup, shard_report
 from .reference import FullModel, plan_skeleton
 from .sink import EventSink
+from .staging import PinnedStager
 
 SLICED_INIT_NOTE = (
     "sliced draws each shard on its own rank, so its shards cannot equal a single-process "
@@ -99,22 +100,29 @@ def rank_device(device: str) -> torch.device:
 
 
 def load_in_group(
-    plan: ResolvedPlan, options: LoadOptions, sink: EventSink, device: torch.device
+    plan: ResolvedPlan,
+    options: LoadOptions,
+    sink: EventSink,
+    device: torch.device,
+    found: SourceModel | None = None,
 ) -> ShardedModel:
-    """Load `plan` on this rank. Every rank of the default process group calls it."""
+    """Load `plan` on this rank. Every rank of the default process group calls it; `found`:
+    what this process read to resolve the plan (its skeleton, config and checkpoint), reused."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != plan.world_size:
         raise ValueError(f"the plan is for {plan.world_size} ranks, the process group has {world}")
     options.validate(plan)
     plan.raise_for_errors()
     sink.emit(Phase(rank, time.time(), name=RankPhase.SKELETON))
-    config = read_config(plan.source)
-    ctx = _prepare(plan, config, rank, device, sink.emit)
+    config = found.config if found else read_config(plan.source)
+    ctx = _prepare(plan, config, rank, device, sink.emit, found)
     ctx.seed = options.seed + options.seed_skew.get(rank, 0)
     # in rank0_broadcast only rank 0 reads: the others may not even see the files
     if options.init == "checkpoint" and (options.strategy != "rank0_broadcast" or rank == 0):
-        ctx.checkpoint = _open_checkpoint(plan)
+        ctx.checkpoint = found.ckpt if found and found.ckpt else _open_checkpoint(plan)
         ctx.reader = BlockReader()
+        if device.type == "cuda":
+            ctx.stager = PinnedStager(device, ctx.ledger, ctx.reader)
     sampler = MemorySampler(
         rank, ctx.ledger, sink.emit, options.memory_hz, device, on_tick=sink.flush
     )
@@ -136,20 +144,22 @@ def load_in_group(
 
 
 def _prepare(
-    plan: ResolvedPlan, config: dict, rank: int, device: torch.device, emit
+    plan: ResolvedPlan,
+    config: dict,
+    rank: int,
+    device: torch.device,
+    emit,
+    found: SourceModel | None,
 ) -> LoadContext:
     """The meta skeleton with computed buffers made for real and styles installed."""
-    adapter = get_adapter(config, plan.model, plan.source)
-    model = plan_skeleton(plan, adapter, config, device)
+    adapter = found.adapter if found else get_adapter(config, plan.model, plan.source)
+    model = plan_skeleton(plan, adapter, config, device, found.skeleton if found else None)
     ledger = Ledger()
     for t in plan.params:
         if t.origin == "computed":
             ledger.alloc(local_of(lookup(model, t.name)).nbytes)
     mesh = init_device_mesh(device.type, (plan.world_size,))
     apply_styles(model, plan, mesh)
-    # DTensor's first use imports torch._dynamo (about a second): pay it here, at startup,
-    # rather than inside the timed load
-    DTensor.from_local(torch.empty(0, device=device), mesh, [Replicate()], run_check=False)
     return LoadContext(
         model=model,
         plan=plan,
@@ -248,6 +258,8 @@ def _run_strategy(ctx: LoadContext, options: LoadOptions, config: dict) -> None:
     ctx.init = options.init
     ctx.make_reference = lambda: FullModel(ctx.plan, ctx.adapter, config, ctx.seed)
     STRATEGIES[options.strategy](ctx)
+    if ctx.stager is not None:
+        ctx.stager.finish()
 
 
 def _checksum(tensor: torch.Tensor) -> int:
@@ -330,6 +342,8 @@ def load_sharded(
     memory_hz: float = 20.0,
     profile_dir: str | os.PathLike | None = None,
     profile_forward: bool = False,
+    kv_replication: bool = True,
+    experts: str = "tp",
 ) -> ShardedModel:
     """Load a model tensor-parallel inside the caller's process group (e.g. under torchrun).
 
@@ -337,28 +351,40 @@ def load_sharded(
     on CUDA). Rank 0 resolves the plan and sends it to the others, so every rank executes the
     same plan; the other ranks need only `config.json` (and, except for rank0_broadcast, the
     weights). With `events_dir`, each rank writes its events to `rank{r}.jsonl` there.
+    `kv_replication` and `experts` choose as in `resolve_plan`.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    resolved = _resolve_on_rank0(source, plan, dtype, model)
+    choices = dict(dtype=dtype, model=model, kv_replication=kv_replication, experts=experts)
+    resolved, found = _resolve_on_rank0(source, plan, choices)
     options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
     sink = EventSink(dist.get_rank(), events_dir=events_dir)
     try:
-        return load_in_group(resolved, options, sink, rank_device(device))
+        return load_in_group(resolved, options, sink, rank_device(device), found)
     finally:
         sink.close()
 
 
-def _resolve_on_rank0(source, plan, dtype, model) -> ResolvedPlan:
+def _resolve_on_rank0(
+    source: str | os.PathLike, plan: Any, choices: dict[str, Any]
+) -> tuple[ResolvedPlan, SourceModel | None]:
+    """The plan every rank executes, and on rank 0 what it read to resolve it (loading goes
+    on from that skeleton and those headers rather than building and reading them again)."""
     box: list[Any] = [None]
+    found = None
     if dist.get_rank() == 0:
+        world = dist.get_world_size()
         try:
-            box = [resolve_plan(source, dist.get_world_size(), plan, dtype=dtype, model=model)]
+            if isinstance(plan, ResolvedPlan):
+                box = [resolve_plan(source, world, plan)]
+            else:
+                resolved, found = resolve_and_keep(source, world, plan, **choices)
+                box = [resolved]
         except Exception as e:
             dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=0)
             raise
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], str):
         raise RuntimeError(f"rank 0 could not resolve the plan: {box[0]}")
-    return box[0]
+    return box[0], found

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import threading
 import time
@@ -29,9 +28,11 @@ def prefault(tensor: torch.Tensor) -> None:
     if tensor.device.type != "cpu" or nbytes < PREFAULT_MIN_BYTES or _libc is False:
         return
     if _libc is None:
-        name = ctypes.util.find_library("c")
-        _libc = ctypes.CDLL(name, use_errno=True) if name else False
-        if _libc is False:
+        # the symbols already loaded into this process (libc's among them): find_library
+        # would run ldconfig in a subprocess, tens of milliseconds inside the first load
+        _libc = ctypes.CDLL(None, use_errno=True)
+        if not hasattr(_libc, "madvise"):
+            _libc = False
             return
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start = -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE

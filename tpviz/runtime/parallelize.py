@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..checkpoint import dtype_name
 from ..plan import ResolvedPlan, TensorPlan
@@ -183,24 +184,32 @@ def install(
     if entry.kind == "buffer":
         owner._buffers[leaf] = local
         return local
-    value = local
-    if mesh is not None:
+    if mesh is None:
+        param = nn.Parameter(local, requires_grad=False)
+    else:
         dim = entry.shard_dim
-        shape = tuple(entry.global_shape)
-        value = DTensor.from_local(
-            local,
-            mesh,
-            [Replicate() if dim is None else Shard(dim)],
-            run_check=False,
-            shape=shape,
-            stride=_contiguous_stride(shape),
-        )
-    param = nn.Parameter(value, requires_grad=False)
+        param = _dtensor_parameter(local, mesh, Replicate() if dim is None else Shard(dim), entry)
     owner._parameters[leaf] = param
     for alias in entry.tied_to:
         alias_owner, alias_leaf = owner_of(model, alias)
         alias_owner._parameters[alias_leaf] = param
     return param
+
+
+def _dtensor_parameter(
+    local: torch.Tensor, mesh: DeviceMesh, placement: Shard | Replicate, entry: TensorPlan
+) -> nn.Parameter:
+    """`local` as a DTensor parameter with the plan's placement and global shape: what
+    `nn.Parameter(DTensor.from_local(local, ..., run_check=False))` makes, built directly.
+    Both of those calls pass through `torch._disable_dynamo` (DTensor's `__init__` and its
+    `__torch_dispatch__`), whose first call imports torch._dynamo: about a second, most of a
+    load under torchrun. The forward dispatches through DTensor and pays it there instead."""
+    shape = torch.Size(entry.global_shape)
+    meta = TensorMeta(shape, _contiguous_stride(tuple(shape)), local.dtype)
+    spec = DTensorSpec(mesh, (placement,), tensor_meta=meta)
+    value = DTensor.__new__(DTensor, local, spec, requires_grad=False)
+    value._is_param = True  # how nn.Parameter marks a tensor subclass (isinstance holds)
+    return value
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:

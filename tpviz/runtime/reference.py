@@ -17,13 +17,20 @@ from .parallelize import owner_of
 
 
 def plan_skeleton(
-    plan: ResolvedPlan, adapter: ModelAdapter, config: dict, device: torch.device
+    plan: ResolvedPlan,
+    adapter: ModelAdapter,
+    config: dict,
+    device: torch.device,
+    skeleton: nn.Module | None = None,
 ) -> nn.Module:
-    """The meta skeleton with every tensor in the plan's dtype and the computed buffers made
-    for real on `device`. Computed buffers (rotary caches) keep the dtype the model class gives
-    them: casting the skeleton first would compute them in a 16-bit target dtype, where
-    transformers keeps them in float32."""
-    model = build_skeleton(adapter, config).to(torch_dtype(plan.dtype))
+    """The meta skeleton (`skeleton`, the one the plan was resolved on, or a new one) with
+    every tensor in the plan's dtype and the computed buffers made for real on `device`.
+    Computed buffers (rotary caches) keep the dtype the model class gives them: casting the
+    skeleton first would compute them in a 16-bit target dtype, where transformers keeps them
+    in float32."""
+    if skeleton is None:
+        skeleton = build_skeleton(adapter, config)
+    model = skeleton.to(torch_dtype(plan.dtype))
     for t in plan.params:
         if t.origin == "computed":
             owner, leaf = owner_of(model, t.name)

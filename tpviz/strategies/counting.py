@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .executor import Unit, plan_units
-from .reads import Read, own_reads, whole_reads
+from .reads import Read, StagingRing, own_reads, staged_chunks, whole_reads
 from .registry import STRATEGIES
 
 if TYPE_CHECKING:
@@ -88,6 +88,7 @@ class Counting:
         self.ledger = Ledger()
         self.sent = self.received = 0
         self._units = units
+        self._ring: StagingRing[int] = StagingRing(self.ledger.free)
         for t in plan.params:
             if t.origin == "computed":  # made with the skeleton, before loading
                 self.ledger.alloc(t.ranks[rank].bytes)
@@ -111,7 +112,7 @@ class Counting:
         return self._alloc(t.ranks[rank].bytes)
 
     def read_own(self, t: TensorPlan, local: int) -> None:
-        self._staging(t, own_reads(t, self.rank, self.device_type))
+        self._staging(t, own_reads(t, self.rank, self.device_type), self.device_type)
 
     def full_tensors(self, module: str, tensors: list[TensorPlan]) -> list[int]:
         if self.init != "checkpoint":  # drawn in the plan's dtype
@@ -119,7 +120,7 @@ class Counting:
         fulls = []
         for t in tensors:
             fulls.append(self._alloc(t.source_nbytes()))
-            self._staging(t, whole_reads(t))
+            self._staging(t, whole_reads(t), "cpu")
         return fulls
 
     def free_full(self, t: TensorPlan, full: int) -> None:
@@ -156,7 +157,15 @@ class Counting:
         self.ledger.alloc(nbytes)
         return nbytes
 
-    def _staging(self, t: TensorPlan, reads: list[Read]) -> None:
+    def _staging(self, t: TensorPlan, reads: list[Read], dest: str) -> None:
+        """The staging buffers of `reads` into a tensor on `dest`."""
         for read in reads:
-            if read.staged:
+            if not read.staged:
+                continue
+            if dest == "cpu":  # one buffer per read, freed at once
                 self.ledger.spike(t.source_nbytes(read.numel))
+                continue
+            for chunk in staged_chunks(read, t.source_nbytes(1)):  # the pinned ring's steps
+                self._ring.slot()
+                self.ledger.alloc(t.source_nbytes(chunk.numel))
+                self._ring.hold(t.source_nbytes(chunk.numel))

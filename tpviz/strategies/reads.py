@@ -4,9 +4,10 @@ runtime (which performs the reads) and the forecast (which counts their staging 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
@@ -15,6 +16,14 @@ from ..keymap import Piece, is_one_run, pieces
 
 if TYPE_CHECKING:
     from .executor import TensorPlan
+
+# Staged reads to a GPU go through this many pinned host buffers in turn, in chunks of at
+# most this many bytes (or one row of the box, when a row is larger): the read of one chunk
+# overlaps the host-to-device copy of the one before.
+STAGING_SLOTS = 2
+STAGING_CHUNK_BYTES = 16 << 20
+
+H = TypeVar("H")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,3 +121,51 @@ def fill_part(part: torch.Tensor, full: torch.Tensor, t: TensorPlan, rank: int) 
         region = part[tuple(slice(o, o + n) for o, n in zip(dst, block.shape))]
         region.copy_(block_view(full, block))
     return part
+
+
+def staged_chunks(read: Read, itemsize: int, limit: int = STAGING_CHUNK_BYTES) -> list[Read]:
+    """`read` cut along its first dim into reads of at most `limit` bytes each (at least one
+    row each), in order: the pieces a staged read passes through a pinned buffer in."""
+    row = math.prod(read.shape[1:]) * itemsize
+    if not read.shape or read.shape[0] * row <= limit:
+        return [read]
+    step = max(1, limit // max(row, 1))
+    return [
+        replace(
+            read,
+            src_offset=(read.src_offset[0] + r, *read.src_offset[1:]),
+            dst_offset=(read.dst_offset[0] + r, *read.dst_offset[1:]),
+            shape=(min(step, read.shape[0] - r), *read.shape[1:]),
+        )
+        for r in range(0, read.shape[0], step)
+    ]
+
+
+class StagingRing(Generic[H]):
+    """The staged chunks in flight to the device, oldest first. Chunk i goes through buffer
+    i % `slots`; before it takes its buffer, the chunk that used that buffer last is retired
+    (`retire` waits for its copy to end, and frees its bytes), so a buffer is never
+    overwritten while a copy out of it may still run, and at most `slots` are held. The
+    runtime holds (copy event, bytes); the forecast holds bytes alone."""
+
+    def __init__(self, retire: Callable[[H], None], slots: int = STAGING_SLOTS) -> None:
+        self._retire = retire
+        self._slots = slots
+        self._held: deque[H] = deque()
+        self._taken = 0
+
+    def slot(self) -> int:
+        """The buffer the next chunk goes through, free for it once this returns."""
+        if len(self._held) == self._slots:
+            self._retire(self._held.popleft())
+        return self._taken % self._slots
+
+    def hold(self, handle: H) -> None:
+        """The chunk given its slot by `slot()` is on its way (its copy launched)."""
+        self._held.append(handle)
+        self._taken += 1
+
+    def drain(self) -> None:
+        """Retire every chunk still held, oldest first."""
+        while self._held:
+            self._retire(self._held.popleft())
