@@ -276,3 +276,26 @@ def test_a_script_without_the_main_guard_gets_the_message_alone(tmp_path, tiny):
     # the script's own short traceback, not one per rank from multiprocessing's bootstrap
     assert "spawn_main" not in run.stderr and "bootstrapping" not in run.stderr
     assert len(run.stderr.splitlines()) < 15, run.stderr
+
+
+@pytest.mark.slow
+def test_cancel_during_a_reload_and_a_rank_dying_between_loads(tiny):
+    job = tpviz.launch(tiny, 2)
+    job.wait(120)
+    reloading = job.reload(strategy="replicated")
+    reloading.cancel()
+    with pytest.raises(tpviz.LoadError, match="cancelled"):
+        reloading.wait(PROMPT)
+    assert job.state == "closed" and reloading.state == "cancelled" and children() == []
+    reloading.shutdown()
+
+    job = tpviz.launch(tiny, 2)
+    job.wait(120)
+    os.kill(job._procs[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(tpviz.LoadError, match="rank 1 died") as err:
+        job.reload(strategy="rank0_broadcast").wait(PROMPT)
+    assert "SIGKILL" in str(err.value) and "between loads" in str(err.value)
+    assert time.monotonic() - start < PROMPT
+    job.shutdown()
+    assert children() == []

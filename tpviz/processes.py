@@ -77,6 +77,8 @@ class Ranks:
         self.conns: list[Connection] = []
         self.stop = threading.Event()
         self.pump: threading.Thread | None = None
+        self.listener: weakref.ref[Listener] | None = None  # the job the ranks now serve
+        self.first_baselines: list[int] | None = None  # each rank's RSS before its first load
         self.grace = 0.0  # seconds the ranks get to exit by themselves once asked to stop
         self._send_lock = threading.Lock()
         self._closed = False
@@ -99,10 +101,13 @@ class Ranks:
             self.conns.append(parent_end)
 
     def start_pump(self, listener: Listener) -> None:
-        self.pump = threading.Thread(
-            target=_pump, args=(weakref.ref(listener), self), name="tpviz-pump", daemon=True
-        )
+        self.listen(listener)
+        self.pump = threading.Thread(target=_pump, args=(self,), name="tpviz-pump", daemon=True)
         self.pump.start()
+
+    def listen(self, listener: Listener) -> None:
+        """Hand what the pump reads to `listener` from now on (warm ranks' next job)."""
+        self.listener = weakref.ref(listener)
 
     def send_all(self, message: Any) -> bool:
         """Send to every rank; False once closed. OSError if a rank's pipe broke."""
@@ -152,18 +157,18 @@ class Ranks:
             self._lock_fd = None
 
 
-def _pump(ref: weakref.ref[Listener], ranks: Ranks) -> None:
+def _pump(ranks: Ranks) -> None:
     """Multiplex the ranks' pipes and sentinels until asked to stop, then close them all (the
     pump is their one owner)."""
     try:
         while not ranks.stop.is_set():
-            listener = ref()
+            listener = ranks.listener()
             if listener is None:
                 return
             _pump_once(listener, ranks)
             del listener
     except Exception as e:
-        listener = ref()
+        listener = ranks.listener()
         if listener is not None:
             listener._pump_failed(e)
         raise
