@@ -101,7 +101,7 @@ class LoadJob:
         self.tracker = ProgressTracker(plan)
         self._log = EventLog()
         self._cond = threading.Condition()
-        self._started = time.time()
+        self.started = time.time()  # the launch (or reload) request: startup counts from it
         self._timeout = timeout
         self._deadline = time.monotonic() + timeout if timeout else None
         self._last_heard = [time.monotonic()] * plan.world_size
@@ -219,7 +219,7 @@ class LoadJob:
             device=self.device,
             init=self.options.init,
             profile_dir=self.options.profile_dir,
-            started=self._started,
+            started=self.started,
             startup_marks=[p.startup_marks() for p in self.progress.values()],
         )
         self._check_released()

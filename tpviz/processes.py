@@ -9,6 +9,18 @@ It is also the one that closes pipes and processes (`close`); other threads ask 
 The temp dir (`$TMPDIR/tpviz-<pid>-*`: the rendezvous file, and the ranks' own $TMPDIR) is locked
 with `flock` for as long as its launcher lives, so a later launcher can prove a dir stale (its
 lock is free: the owner was killed with SIGKILL) and remove it.
+
+Ranks start from multiprocessing's forkserver with torch and tpviz's rank code preloaded
+(`start_server`): each rank is a fork of a process that has imported them and done nothing
+else, so it pays no import. This is as safe as `spawn` for what fork usually breaks: the
+server is a fresh interpreter (started by exec, not forked from this process, so none of its
+threads, locks, OpenMP pools or CUDA context), preloading only imports modules (no torch op
+runs there, so no intra-op or OpenMP thread pool exists to be forked, and CUDA is never
+initialised), and its only thread is the one that forks. Each rank still imports the caller's
+`__main__` as spawn does (hence the `__main__` guard), gets the caller's current environment,
+and watches its pipe to this process rather than its parent (the server), see heartbeat.py.
+The server's socket lives in a locked `tpviz-<pid>-server` dir, removed at interpreter exit,
+or as stale by the next launcher if this process was killed.
 """
 
 from __future__ import annotations
@@ -22,6 +34,8 @@ import tempfile
 import threading
 import time
 import weakref
+from multiprocessing import forkserver
+from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
@@ -30,6 +44,10 @@ from .runtime.heartbeat import boot
 TERMINATE_GRACE_SECONDS = 3.0
 PREFIX = "tpviz-"
 LOCK = "owner.lock"
+# what the forkserver imports before it forks ranks: torch, torch.distributed and the rank code
+PRELOAD = ["tpviz.runtime.worker", "torch._dynamo"]
+_server_lock = threading.Lock()
+_server_started = False
 
 
 def remove_stale_workdirs() -> None:
@@ -54,6 +72,49 @@ def remove_stale_workdirs() -> None:
             os.close(fd)
 
 
+def _locked_dir(suffix: str) -> tuple[str, int]:
+    """A private (0700) temp dir and the fd of the lock that marks it live (see above)."""
+    path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-{suffix}")
+    fd = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return path, fd
+
+
+def _remove_locked_dir(path: str, fd: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(fd)
+
+
+def start_server() -> mp.context.BaseContext:
+    """Start the forkserver ranks are forked from (once per process; at once, so that its
+    imports overlap the caller's own work), and return its context."""
+    global _server_started
+    ctx = mp.get_context("forkserver")
+    with _server_lock:
+        if _server_started:
+            return ctx
+        ctx.set_forkserver_preload(PRELOAD)
+        path, fd = _locked_dir("server")
+        # Inside the locked dir: multiprocessing's temp dir (where the server's socket goes),
+        # when this process has none yet, and what the server's imports write to $TMPDIR
+        # (torch's inductor cache dir). multiprocessing removes its dir at exit, this after.
+        saved, tempfile.tempdir = tempfile.tempdir, path
+        saved_env = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = path
+        try:
+            mp_util.get_temp_dir()
+            forkserver.ensure_running()
+        finally:
+            tempfile.tempdir = saved
+            if saved_env is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = saved_env
+        mp_util.Finalize(None, _remove_locked_dir, args=(path, fd), exitpriority=-101)
+        _server_started = True
+    return ctx
+
+
 class Listener(Protocol):
     """What the pump tells its job (held weakly, so that an abandoned job is collected and its
     ranks ended): a rank was heard, what it sent, a tick to check the ranks' health, and the
@@ -70,9 +131,7 @@ class Ranks:
 
     def __init__(self) -> None:
         remove_stale_workdirs()
-        self.workdir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")  # private (0700)
-        self._lock_fd = os.open(os.path.join(self.workdir, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        self.workdir, self._lock_fd = _locked_dir("")
         self.procs: list = []
         self.conns: list[Connection] = []
         self.stop = threading.Event()
@@ -84,14 +143,15 @@ class Ranks:
         self._closed = False
 
     def start(self, world: int, spec: Any, beat: float) -> None:
-        """Spawn `world` ranks running `spec` (a WorkerSpec), each with its own pipe."""
-        ctx = mp.get_context("spawn")
+        """Start `world` ranks running `spec` (a WorkerSpec), each with its own pipe."""
+        ctx = start_server()
         payload = pickle.dumps(spec)
+        environ = dict(os.environ)  # now, not when the server started
         for rank in range(world):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=boot,
-                args=(rank, payload, child_end, os.getpid(), beat, self.workdir),
+                args=(rank, payload, child_end, environ, beat, self.workdir),
                 name=f"tpviz-rank{rank}",
                 daemon=True,
             )
@@ -152,8 +212,7 @@ class Ranks:
                 c.close()
             self.conns.clear()
         if self._lock_fd is not None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            os.close(self._lock_fd)
+            _remove_locked_dir(self.workdir, self._lock_fd)
             self._lock_fd = None
 
 
