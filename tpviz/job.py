@@ -104,7 +104,8 @@ class LoadJob:
         self.started = time.time()  # the launch (or reload) request: startup counts from it
         self._timeout = timeout
         self._deadline = time.monotonic() + timeout if timeout else None
-        self._last_heard = [time.monotonic()] * plan.world_size
+        # silence counts from the pump's first check once the processes exist
+        self._last_heard: list[float | None] = [None] * plan.world_size
         self._vocab: int | None = None  # read from config.json on the first forward
         self._relaunch = relaunch
         self._warm = warm is not None
@@ -115,8 +116,7 @@ class LoadJob:
         self._finalizer = weakref.finalize(self, ranks.request_close)
         spec = self._spec(events_dir)
         if warm is None:
-            ranks.start(plan.world_size, spec, beat=min(1.0, heartbeat_timeout / 4))
-            ranks.start_pump(self)
+            ranks.start(plan.world_size, spec, min(1.0, heartbeat_timeout / 4), self)
         else:
             ranks.listen(self)
             self._commands.reload(spec)
@@ -194,6 +194,8 @@ class LoadJob:
             return
         now = time.monotonic()
         for rank, heard in enumerate(self._last_heard):
+            if heard is None:
+                self._last_heard[rank] = heard = now
             if now - heard > self.heartbeat_timeout:
                 progress = self.progress[rank]
                 message = silence_message(rank, now - heard, progress, self._commands.running)

@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing import forkserver
 from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection, wait
@@ -142,27 +143,34 @@ class Ranks:
         self._send_lock = threading.Lock()
         self._closed = False
 
-    def start(self, world: int, spec: Any, beat: float) -> None:
-        """Start `world` ranks running `spec` (a WorkerSpec), each with its own pipe."""
+    def start(self, world: int, spec: Any, beat: float, listener: Listener) -> None:
+        """Start `world` ranks running `spec` (a WorkerSpec), each with its own pipe, and the
+        pump that serves `listener`. The pump starts the processes, so this returns at once
+        even while the forkserver is still importing (a rank is forked only after that)."""
         ctx = start_server()
         payload = pickle.dumps(spec)
         environ = dict(os.environ)  # now, not when the server started
-        for rank in range(world):
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(
-                target=boot,
-                args=(rank, payload, child_end, environ, beat, self.workdir),
-                name=f"tpviz-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            child_end.close()
-            self.procs.append(proc)
-            self.conns.append(parent_end)
 
-    def start_pump(self, listener: Listener) -> None:
+        def start_ranks() -> None:
+            for rank in range(world):
+                if self.stop.is_set():  # cancelled meanwhile
+                    return
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=boot,
+                    args=(rank, payload, child_end, environ, beat, self.workdir),
+                    name=f"tpviz-rank{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                child_end.close()
+                self.procs.append(proc)
+                self.conns.append(parent_end)
+
         self.listen(listener)
-        self.pump = threading.Thread(target=_pump, args=(self,), name="tpviz-pump", daemon=True)
+        self.pump = threading.Thread(
+            target=_pump, args=(self, start_ranks), name="tpviz-pump", daemon=True
+        )
         self.pump.start()
 
     def listen(self, listener: Listener) -> None:
@@ -216,16 +224,13 @@ class Ranks:
             self._lock_fd = None
 
 
-def _pump(ranks: Ranks) -> None:
-    """Multiplex the ranks' pipes and sentinels until asked to stop, then close them all (the
-    pump is their one owner)."""
+def _pump(ranks: Ranks, start_ranks: Callable[[], None]) -> None:
+    """Start the ranks, multiplex their pipes and sentinels until asked to stop, then close
+    them all (the pump is their one owner)."""
     try:
-        while not ranks.stop.is_set():
-            listener = ranks.listener()
-            if listener is None:
-                return
-            _pump_once(listener, ranks)
-            del listener
+        start_ranks()
+        while not ranks.stop.is_set() and _pump_once(ranks):
+            pass
     except Exception as e:
         listener = ranks.listener()
         if listener is not None:
@@ -235,9 +240,16 @@ def _pump(ranks: Ranks) -> None:
         ranks.close()
 
 
-def _pump_once(listener: Listener, ranks: Ranks) -> None:
+def _pump_once(ranks: Ranks) -> bool:
+    """Hand what is ready to the listener; False once the listener is gone (collected)."""
     conns = ranks.conns
     ready = wait(conns + [p.sentinel for p in ranks.procs], timeout=0.1)
+    # Taken after the wait: a message ready now was sent before a later switch of listener
+    # (`listen` happens before the next job's reload is sent), and one message is read per
+    # pipe, so each goes to the job it belongs to.
+    listener = ranks.listener()
+    if listener is None:
+        return False
     for item in ready:
         if item in conns:
             rank = conns.index(item)
@@ -248,3 +260,4 @@ def _pump_once(listener: Listener, ranks: Ranks) -> None:
                 continue  # the rank ended; its sentinel says how
             listener._handle(rank, message)
     listener._check()
+    return True
