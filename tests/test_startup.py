@@ -46,3 +46,22 @@ def test_ranks_followed_from_event_files_pass_their_unheard_process_start():
     assert startup_text(tracker.ranks, 100.0, 101.5).startswith(
         "startup 1.50 s: process start 1.00 s · imports 0.00 s · process group 0.5 s..."
     )
+
+
+def test_the_monitor_shows_startup_on_its_chart_until_loading_begins(tiny):
+    import tpviz
+    from tpviz.plan import resolve_plan
+
+    ticks = iter(range(0, 10**6, 10))  # every redraw is due at once, run in this thread
+    monitor = tpviz.LoadMonitor(
+        plan=resolve_plan(tiny, 2), clock=lambda: next(ticks), schedule=lambda _, fn: fn()
+    )
+    t = monitor._started
+    monitor.feed([Phase(0, t + 1.0, name=RankPhase.STARTING)])
+    note = monitor.chart.figure.layout.annotations[0].text
+    assert note.startswith("load: startup") and "process start" in note  # rank 1 is in it
+    assert "rank 0 process group, rank 1 process start" in monitor.status.value
+    ready = [RankPhase.SKELETON, RankPhase.READY, RankPhase.LOADING]
+    monitor.feed([Phase(r, t + 2.0, name=n) for r in (0, 1) for n in [RankPhase.STARTING, *ready]])
+    assert monitor.chart.figure.layout.annotations == ()  # the lines take over
+    assert "startup" not in monitor.status.value

@@ -100,10 +100,16 @@ class MemoryChart:
         self.redraw()
 
     def note(self, text: str) -> None:
-        """A line above the chart (a load's startup, while the lines are still empty)."""
+        """Text across the plot (a load's startup, while its lines are still empty)."""
         with self.lock:
-            if (self.figure.layout.title.text or "") != text:
-                self.figure.layout.title.text = text
+            shown = self.figure.layout.annotations
+            if (shown[0].text if shown else "") == text:
+                return
+            self.figure.layout.annotations = (
+                [dict(text=text, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False)]
+                if text
+                else []
+            )
 
 
 class LoadMonitor(widgets.VBox):
