@@ -19,8 +19,9 @@ runs there, so no intra-op or OpenMP thread pool exists to be forked, and CUDA i
 initialised), and its only thread is the one that forks. Each rank still imports the caller's
 `__main__` as spawn does (hence the `__main__` guard), gets the caller's current environment,
 and watches its pipe to this process rather than its parent (the server), see heartbeat.py.
-The server's socket lives in a locked `tpviz-<pid>-server` dir, removed at interpreter exit,
-or as stale by the next launcher if this process was killed.
+The server's socket lives in multiprocessing's temp dir (`$TMPDIR/pymp-*`), which tpviz locks
+like its own: removed at interpreter exit, or as stale by the next launcher if this process
+was killed.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from .runtime.heartbeat import boot
 TERMINATE_GRACE_SECONDS = 3.0
 PREFIX = "tpviz-"
 LOCK = "owner.lock"
+MP_PREFIX = "pymp-"  # multiprocessing's temp dir: ours to remove when it holds our lock
 # what the forkserver imports before it forks ranks: torch, torch.distributed and the rank code
 PRELOAD = ["tpviz.runtime.worker", "torch._dynamo"]
 _server_lock = threading.Lock()
@@ -55,7 +57,7 @@ def remove_stale_workdirs() -> None:
     """Remove tpviz temp dirs whose owner is gone: only those whose lock can be taken."""
     root = tempfile.gettempdir()
     try:
-        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+        names = [n for n in os.listdir(root) if n.startswith((PREFIX, MP_PREFIX))]
     except OSError:
         return
     for name in names:
@@ -73,19 +75,6 @@ def remove_stale_workdirs() -> None:
             os.close(fd)
 
 
-def _locked_dir(suffix: str) -> tuple[str, int]:
-    """A private (0700) temp dir and the fd of the lock that marks it live (see above)."""
-    path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-{suffix}")
-    fd = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return path, fd
-
-
-def _remove_locked_dir(path: str, fd: int) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    os.close(fd)
-
-
 def start_server() -> mp.context.BaseContext:
     """Start the forkserver ranks are forked from (once per process; at once, so that its
     imports overlap the caller's own work), and return its context."""
@@ -95,23 +84,22 @@ def start_server() -> mp.context.BaseContext:
         if _server_started:
             return ctx
         ctx.set_forkserver_preload(PRELOAD)
-        path, fd = _locked_dir("server")
-        # Inside the locked dir: multiprocessing's temp dir (where the server's socket goes),
-        # when this process has none yet, and what the server's imports write to $TMPDIR
-        # (torch's inductor cache dir). multiprocessing removes its dir at exit, this after.
-        saved, tempfile.tempdir = tempfile.tempdir, path
-        saved_env = os.environ.get("TMPDIR")
+        # multiprocessing's temp dir holds the server's socket (a path of at most ~107 bytes,
+        # so nothing is nested deeper): it removes it at exit; locked like a workdir, the next
+        # launcher removes it if this process was killed. The server's own temp files (torch's
+        # inductor cache dir) go there too.
+        path = mp_util.get_temp_dir()
+        fd = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held (fd open) for as long as this process lives
+        saved = os.environ.get("TMPDIR")
         os.environ["TMPDIR"] = path
         try:
-            mp_util.get_temp_dir()
             forkserver.ensure_running()
         finally:
-            tempfile.tempdir = saved
-            if saved_env is None:
+            if saved is None:
                 del os.environ["TMPDIR"]
             else:
-                os.environ["TMPDIR"] = saved_env
-        mp_util.Finalize(None, _remove_locked_dir, args=(path, fd), exitpriority=-101)
+                os.environ["TMPDIR"] = saved
         _server_started = True
     return ctx
 
@@ -132,7 +120,9 @@ class Ranks:
 
     def __init__(self) -> None:
         remove_stale_workdirs()
-        self.workdir, self._lock_fd = _locked_dir("")
+        self.workdir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")  # private (0700)
+        self._lock_fd = os.open(os.path.join(self.workdir, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         self.procs: list = []
         self.conns: list[Connection] = []
         self.stop = threading.Event()
@@ -220,7 +210,8 @@ class Ranks:
                 c.close()
             self.conns.clear()
         if self._lock_fd is not None:
-            _remove_locked_dir(self.workdir, self._lock_fd)
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            os.close(self._lock_fd)
             self._lock_fd = None
 
 
