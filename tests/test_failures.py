@@ -197,7 +197,7 @@ def test_cancel_and_timeout_end_every_rank(tiny):
         job.wait(PROMPT)
     assert job.state == "cancelled" and children() == []
     job.shutdown()
-    with tpviz.launch(tiny, 2, timeout=0.5) as job:
+    with tpviz.launch(tiny, 2, timeout=0.001) as job:  # whole loads now fit in 0.5 s
         with pytest.raises(tpviz.LoadError, match="timeout"):
             job.wait(PROMPT)
     assert children() == []
@@ -239,6 +239,10 @@ def test_ranks_listen_on_loopback_only(tiny):
             ]
         assert listening, "gloo should have listeners to check"
         assert set(listening) <= {"127.0.0.1", "::1"}
+        # the forkserver the ranks came from has run no torch op: one thread, no OpenMP or
+        # intra-op pool that a fork would copy half-alive
+        server = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+        assert len(server) == 1 and server[0].num_threads() == 1
 
 
 def test_memory_forecast_refuses_what_cannot_fit_this_machine(tmp_path):

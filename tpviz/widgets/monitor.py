@@ -103,13 +103,9 @@ class MemoryChart:
         """Text across the plot (a load's startup, while its lines are still empty)."""
         with self.lock:
             shown = self.figure.layout.annotations
-            if (shown[0].text if shown else "") == text:
-                return
-            self.figure.layout.annotations = (
-                [dict(text=text, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False)]
-                if text
-                else []
-            )
+            if (shown[0].text if shown else "") != text:
+                note = dict(text=text, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False)
+                self.figure.layout.annotations = [note] if text else []
 
 
 class LoadMonitor(widgets.VBox):
