@@ -5,6 +5,10 @@ world size 8 with 8, 80 and 800 layers, in-process, best of several runs each, a
 the ratios to the 8-layer time: linear cost means about 10x and 100x. Then times the whole
 CLI process (`python -m tpviz plan ... --world-size 8`) on the 80-layer config.
 
+Then the two mixture-of-experts configs of tests/moe_configs.py (Mixtral-8x7B, DeepSeek-V3
+671B) at world size 8 under `--experts tp` and `ep`: in-process resolution (best of runs), the
+part of it spent building transformers' meta skeleton, and the whole `tpviz plan` process.
+
     python benchmarks/plan_bench.py
 """
 
@@ -17,7 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from tpviz.models import build_skeleton, get_adapter, read_config
 from tpviz.plan import resolve_plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' real MoE configs
+from tests.moe_configs import DEEPSEEK_V3, MIXTRAL_8X7B, config_dir  # noqa: E402
 
 BASE = dict(
     architectures=["LlamaForCausalLM"],
@@ -74,5 +82,39 @@ def main() -> None:
         )
 
 
+def whole_process(args: list[str], runs: int = 3) -> list[float]:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "tpviz", *args], check=True, capture_output=True)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def moe() -> None:
+    print("mixture of experts from config.json alone, world size 8:")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, config in (("Mixtral-8x7B", MIXTRAL_8X7B), ("DeepSeek-V3", DEEPSEEK_V3)):
+            source = config_dir(Path(tmp) / name, config)
+            resolve_plan(source, 8)  # warm imports
+            raw = read_config(source)
+            adapter = get_adapter(raw, None, source)
+            skeleton = best_of(lambda a=adapter, c=raw: build_skeleton(a, c), 3)
+            for experts in ("tp", "ep"):
+                plan = resolve_plan(source, 8, experts=experts)
+                t = best_of(lambda s=source, e=experts: resolve_plan(s, 8, experts=e), 3)
+                cli = whole_process(
+                    ["plan", str(source), "--world-size", "8", "--experts", experts]
+                )
+                print(
+                    f"  {name:12s} {experts}: {len(plan.params)} tensors, "
+                    f"{plan.per_rank_bytes[0] / 2**30:7.1f} GiB per rank of "
+                    f"{plan.total_bytes / 2**30:7.1f} GiB; resolve {t * 1000:6.0f} ms in-process "
+                    f"(of which {skeleton * 1000:.0f} ms building transformers' meta skeleton), "
+                    f"whole process best {min(cli):.2f} s"
+                )
+
+
 if __name__ == "__main__":
     main()
+    moe()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,23 @@ import pytest
 from tpviz.models.demo import make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
+_SCRATCH = pytest.StashKey[Path]()
+
+
+def pytest_configure(config) -> None:
+    """Keep the suite's own files out of $TMPDIR after it ends: pytest's temp dirs and the
+    cache directory torch creates whenever this process imports torch._dynamo (transformers'
+    models do) live in one directory removed at exit, unless --basetemp chose another."""
+    if config.option.basetemp is None:
+        config.option.basetemp = Path(tempfile.mkdtemp(prefix="tpviz-tests-")) / "tmp"
+        config.stash[_SCRATCH] = config.option.basetemp.parent
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(config.stash[_SCRATCH] / "inductor"))
+
+
+def pytest_unconfigure(config) -> None:
+    scratch = config.stash.get(_SCRATCH, None)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ EDGES = (
     "cli_parser",
     "report",
     "progress",
+    "suggest_cli",
 )
 # The pure core: plan math, styles, checkpoint metadata, formatting, model skeletons.
 CORE = (
@@ -46,6 +47,7 @@ CORE = (
     "eventlog",
     "tracking",
     "liveness",
+    "suggest",
 )
 
 # Known exceptions, each an edge that closes a cycle; keep this list empty.

@@ -399,7 +399,7 @@ def test_a_symlink_loop_is_called_one(ck, capsys, tmp_path):
 
 def test_more_errors_are_not_read_as_more_world_sizes(ck, capsys):
     err = refused(capsys, "load", ck, "--world-size", "3")
-    assert "world sizes that work: 1, 2, 4;" in err and "more plan error" in err
+    assert "world sizes that work: 1, 2, 4, 8;" in err and "more plan error" in err
     assert "(and " not in err
 
 

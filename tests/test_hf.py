@@ -200,13 +200,13 @@ def test_moe_expert_styles_plan_and_styles_still_unsupported_are_reported(tmp_pa
     # transformers' MoE plan (moe_tp_experts) is executed now: tests/test_moe.py loads it
     assert cli("plan", str(tmp_path / "mixtral"), "--world-size", "2").returncode == 0
     plan_file = tmp_path / "plan.json"
-    plan_file.write_text(json.dumps({"layers.*.mlp.experts": "grouped_gemm"}))
+    plan_file.write_text(json.dumps({"layers.*.mlp.gate": "ep_router"}))
     args = ("plan", str(tmp_path / "mixtral"), "--world-size", "2", "--json")
     result = cli(*args, "--plan", str(plan_file))
     assert result.returncode == 2
     (error,) = [e for e in json.loads(result.stdout)["errors"] if e["code"] == "unsupported_style"]
-    assert "grouped_gemm" in error["message"] and "model.layers.0.mlp.experts" in error["message"]
-    with pytest.raises(tpviz.PlanError, match="grouped_gemm"):
+    assert "ep_router" in error["message"] and "model.layers.0.mlp.gate" in error["message"]
+    with pytest.raises(tpviz.PlanError, match="ep_router"):
         tpviz.launch(tmp_path / "mixtral", 2, plan_file, init="random")
 
 

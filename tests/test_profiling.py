@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -60,7 +61,7 @@ def _get(url: str):
 
 
 @pytest.mark.slow
-def test_tensorboard_lists_the_run_with_a_worker_per_rank(profiled):
+def test_tensorboard_lists_the_run_with_a_worker_per_rank(profiled, tmp_path):
     profile_dir, _ = profiled
     tensorboard = shutil.which("tensorboard", path=str(Path(sys.executable).parent))
     port = _free_port()
@@ -76,6 +77,7 @@ def test_tensorboard_lists_the_run_with_a_worker_per_rank(profiled):
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # where it writes .tensorboard-info
     )
     base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
     try:

@@ -22,7 +22,7 @@ def test_the_registry_names_every_style_once():
     assert not styles.UNSUPPORTED & (set(styles.STYLES) | set(styles.ALIASES))
     assert styles.DEFAULT_STYLE in styles.STYLES
     with pytest.raises(styles.UnsupportedStyle, match="cannot execute"):
-        styles.canonical("grouped_gemm")
+        styles.canonical("ep_router")
 
 
 # the README's style table: weight of nn.Linear (out, in), bias, forward (input, output)

@@ -15,6 +15,7 @@ _EXPORTS = {
     "resolve_plan": "tpviz.plan",
     "ResolvedPlan": "tpviz.plan",
     "PlanError": "tpviz.plan",
+    "suggest_plan": "tpviz.suggest",
     "make_checkpoint": "tpviz.models.demo",
     "demo_checkpoint": "tpviz.models.demo",
     "launch": "tpviz.launcher",

@@ -47,15 +47,26 @@ def chunk_offsets(n: int, parts: int) -> list[tuple[int, int]]:
 
 
 def shard_blocks(
-    shape: list[int], dim: int | None, world_size: int, packed_parts: int = 1
+    shape: list[int],
+    dim: int | None,
+    world_size: int,
+    packed_parts: int = 1,
+    groups: int | None = None,
 ) -> list[list[Block]]:
-    """Blocks each rank holds, in the order they are laid out in its local tensor."""
+    """Blocks each rank holds, in the order they are laid out in its local tensor. With
+    `groups` (a divisor of `world_size`), the dim is cut into that many chunks and chunk g is
+    held by the world_size/groups consecutive ranks g*world_size/groups, ... (key-value heads
+    replicated over the ranks whose query heads use them)."""
     if dim is None:
         return [[Block([0] * len(shape), list(shape))] for _ in range(world_size)]
+    chunks = groups or world_size
+    share = world_size // chunks  # ranks holding each chunk
     part_len = shape[dim] // packed_parts
+    offsets = chunk_offsets(part_len, chunks)
     per_rank: list[list[Block]] = [[] for _ in range(world_size)]
     for part in range(packed_parts):
-        for rank, (start, size) in enumerate(chunk_offsets(part_len, world_size)):
+        for rank in range(world_size):
+            start, size = offsets[rank // share]
             if size:
                 offset = [0] * len(shape)
                 offset[dim] = part * part_len + start

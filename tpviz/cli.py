@@ -144,13 +144,27 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 def _resolve(args: argparse.Namespace):
     from .plan import resolve_plan
 
-    return resolve_plan(args.source, args.world_size, args.plan, dtype=args.dtype, model=args.model)
+    return resolve_plan(
+        args.source,
+        args.world_size,
+        args.plan,
+        dtype=args.dtype,
+        model=args.model,
+        kv_replication=not args.no_kv_replication,
+        experts=args.experts,
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from .plan import PlanError
     from .report import plan_table
 
+    if args.suggest:
+        from .suggest_cli import cmd_suggest
+
+        return cmd_suggest(args)
+    if args.check:
+        raise ValueError("--check proves a suggested plan: use it with --suggest")
     plan = _resolve(args)
     _emit(args, plan.to_dict(), plan_table(plan, full=args.full))
     if not plan.errors:

@@ -20,6 +20,19 @@ def _shared(p: argparse.ArgumentParser) -> None:
         help="target dtype (default: the checkpoint's)",
     )
     p.add_argument("--model", default="auto", help="auto, builtin, hf or PKG.MOD:FN (default auto)")
+    p.add_argument(
+        "--no-kv-replication",
+        action="store_true",
+        help="refuse world sizes past the key-value heads instead of replicating each "
+        "key-value head over the ranks that use it",
+    )
+    p.add_argument(
+        "--experts",
+        choices=["tp", "ep"],
+        default="tp",
+        help="mixture-of-experts layout: tp cuts every expert as the plan says, ep gives each "
+        "rank whole experts (default tp)",
+    )
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
@@ -74,6 +87,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help=SOURCE_HELP)
     _shared(p)
     p.add_argument("--full", action="store_true", help="one row per tensor (no folding)")
+    p.add_argument(
+        "--suggest",
+        action="store_true",
+        help="propose a plan from the model's structure, each part proven on simulated ranks; "
+        "prints it as a plan file",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="with --suggest: load it on --world-size real ranks and compare logits with a "
+        "single-process model (exit 0 only if they match)",
+    )
 
     p = sub.add_parser("load", help="load a checkpoint on local ranks")
     p.add_argument("source", help=SOURCE_HELP)

@@ -8,6 +8,10 @@ each a multiple of a head size (q/k/v/o, GPT-NeoX's interleaved fused qkv with t
 a head, latent attention's up-projections). Every rank's block must then start and end on a
 head boundary; the same test, run for other world sizes, gives the sizes that work.
 
+With more ranks than key-value heads, a world size that is a multiple of their count (and
+splits the query heads evenly) still works: each key-value projection is cut into its heads,
+each held by the consecutive ranks whose query heads use it (`replicated_kv`).
+
 Parameters inside such attention that hold one row per head (q/k norms shaped heads x head_dim,
 attention sinks) must be cut with the heads, or each rank would apply all heads' rows to its
 own few heads.
@@ -25,6 +29,7 @@ from .chunks import shard_blocks
 from .models import HeadCounts
 
 HEAD_SIZE_ATTRS = ("head_size", "head_dim")  # and any attribute ending in `_head_dim`
+QUERY_HEADS, KV_HEADS = "attention heads", "key-value heads"  # what a HeadCut's heads are
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ def head_cuts(
         heads, kv = _counts(attn, counts)
         parts = style.packed_parts
         part_len = weight.shape[style.weight_dim] // parts
-        for count, what in ((heads, "attention heads"), (kv, "key-value heads")):
+        for count, what in ((heads, QUERY_HEADS), (kv, KV_HEADS)):
             unit = part_len // count if count and part_len % count == 0 else 0
             if unit and any(unit % d == 0 for d in sizes):
                 shape = tuple(weight.shape)
@@ -126,22 +131,66 @@ def head_cuts(
     return cuts
 
 
-def working_world_sizes(cuts: list[HeadCut]) -> list[int]:
+def replicated_kv(cuts: list[HeadCut], world_size: int) -> list[HeadCut]:
+    """The key-value cuts to replicate so that `world_size` cuts no head, or [] (nothing to
+    replicate, or replication cannot make it work). A key-value projection can be cut into its
+    heads, each held by world_size/heads consecutive ranks, when the world size is a multiple
+    of its heads and its attention's query heads split evenly over the ranks: then rank r's
+    query heads all use key-value head r // (world_size/heads), the one it holds."""
+    cutting = [c for c in cuts if c.cuts_a_head(world_size)]
+    queries: dict[str, list[int]] = {}
+    for c in cuts:
+        if c.what == QUERY_HEADS:
+            queries.setdefault(c.attention, []).append(c.count)
+
+    def groupable(c: HeadCut) -> bool:
+        counts = queries.get(c.attention)
+        return (
+            c.what == KV_HEADS
+            and c.parts == 1
+            and world_size % c.count == 0
+            and bool(counts)
+            and all(n % world_size == 0 for n in counts)
+        )
+
+    return cutting if cutting and all(groupable(c) for c in cutting) else []
+
+
+def local_kv_groups(cuts: list[HeadCut], grouped: list[HeadCut], world_size: int) -> dict[str, int]:
+    """Attention module -> query heads per key-value head on each rank, for the attention
+    modules of `grouped` cuts (each rank holds one key-value head)."""
+    queries = {c.attention: c.count for c in cuts if c.what == QUERY_HEADS}
+    return {c.attention: queries[c.attention] // world_size for c in grouped}
+
+
+def working_world_sizes(cuts: list[HeadCut], replicate_kv: bool = False) -> list[int]:
     """World sizes at which no cut falls inside a head (a world size above a count always
-    cuts)."""
-    limit = min((c.count for c in cuts), default=1)
-    return [w for w in range(1, limit + 1) if not any(c.cuts_a_head(w) for c in cuts)]
+    cuts), or, with `replicate_kv`, at which replicating key-value heads avoids it."""
+    counts = [c.count for c in cuts]
+    limit = (max if replicate_kv else min)(counts, default=1)
+    return [
+        w
+        for w in range(1, limit + 1)
+        if not any(c.cuts_a_head(w) for c in cuts) or (replicate_kv and replicated_kv(cuts, w))
+    ]
 
 
-def alignment_errors(cuts: list[HeadCut], world_size: int) -> list[tuple[str, str]]:
-    """(module, message) per kind of head that `world_size` would cut."""
+def alignment_errors(
+    cuts: list[HeadCut], world_size: int, replicate_kv: bool = False
+) -> list[tuple[str, str]]:
+    """(module, message) per kind of head that `world_size` would cut (none when `replicate_kv`
+    and replicating key-value heads avoids every cut)."""
+    if replicate_kv and replicated_kv(cuts, world_size):
+        return []
     cutting: dict[tuple[str, int], list[HeadCut]] = {}
     for c in cuts:
         if c.cuts_a_head(world_size):
             cutting.setdefault((c.what, c.count), []).append(c)
     if not cutting:
         return []
-    works = ", ".join(map(str, working_world_sizes(cuts)))
+    works = ", ".join(map(str, working_world_sizes(cuts, replicate_kv)))
+    if not replicate_kv and replicated_kv(cuts, world_size):
+        works += " (and this one with key-value replication, the default)"
     out = []
     for (what, count), found in cutting.items():
         first = found[0]

@@ -109,17 +109,20 @@ def launch(
     profile_forward: bool = False,
     memory_hz: float = 20.0,
     force: bool = False,
+    kv_replication: bool = True,
+    experts: str | None = None,
 ) -> LoadJob:
     """Start loading `source` on `world_size` local ranks; returns a LoadJob at once.
 
     `plan` is a pattern dict, a plan file or a ResolvedPlan (whose world size must match).
+    `experts`: "tp" (default) or "ep", the mixture-of-experts layout (see `resolve_plan`).
     `init="random"` initialises from `seed` instead of loading (a config-only source needs it).
     `profile_dir` writes torch.profiler traces (one TensorBoard worker per rank);
     `profile_forward` also profiles one forward of the fixed prompt after loading.
     `timeout` bounds the load in wall time; `heartbeat_timeout` (seconds) is how long a rank
     may stay silent (frozen, stopped, deadlocked) before the job fails, at any time from start
     to shutdown: long-running `forward` or `call` commands are bounded only by it.
-    """
+    `kv_replication=False` refuses world sizes past the key-value heads (see `resolve_plan`)."""
     _end_rank_running_an_unguarded_script()
     return _start(dict(locals()), warm=None)
 
@@ -130,7 +133,15 @@ def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
     a = SimpleNamespace(**args)
     _check_seconds("timeout", a.timeout)
     _check_seconds("heartbeat_timeout", a.heartbeat_timeout)
-    resolved = resolve_plan(a.source, a.world_size, a.plan, dtype=a.dtype, model=a.model)
+    resolved = resolve_plan(
+        a.source,
+        a.world_size,
+        a.plan,
+        dtype=a.dtype,
+        model=a.model,
+        kv_replication=a.kv_replication,
+        experts=a.experts,
+    )
     resolved.raise_for_errors()
     if resolved.source is None:
         raise ValueError(
@@ -172,7 +183,7 @@ def _reload(args: dict[str, Any], job: LoadJob, changes: dict[str, Any]) -> Load
                 f"change it"
             )
     if isinstance(args["plan"], ResolvedPlan) and "plan" not in changes:
-        stale = {"source", "dtype", "model"} & set(changes)
+        stale = {"source", "dtype", "model", "kv_replication", "experts"} & set(changes)
         if stale:  # a resolved plan is for one source and dtype: resolve the model's default
             changes = {**changes, "plan": None}
     return _start({**args, **changes}, warm=job)
@@ -195,6 +206,8 @@ def compare(
         plan,
         dtype=launch_kwargs.pop("dtype", None),
         model=launch_kwargs.pop("model", None),
+        kv_replication=launch_kwargs.pop("kv_replication", True),
+        experts=launch_kwargs.pop("experts", None),
     )
     results: list[LoadResult] = []
     job = None

@@ -10,7 +10,7 @@ from torch import nn
 
 from .. import heads, styles
 from ..checkpoint import torch_dtype
-from ..format import fold_layers
+from ..format import fold_layers, human_bytes
 from ..models import HeadCounts
 from .patterns import CompiledPlan
 from .types import PlanIssue, TensorPlan
@@ -114,14 +114,56 @@ def check_heads(
     module_styles: dict[str, str],
     world_size: int,
     issues: PlanIssues,
-) -> None:
-    """Refuse world sizes that cut a head; make parameters that hold one row per head follow
-    their heads (this may re-place entries and change `module_styles`)."""
+    kv_replication: bool = True,
+) -> dict[str, int]:
+    """Refuse world sizes that cut a head, unless (`kv_replication`) replicating key-value
+    heads avoids it; make parameters that hold one row per head follow their heads (this may
+    re-place entries and change `module_styles`). Returns the attention modules whose
+    key-value heads are replicated -> their query heads per key-value head on each rank."""
     cuts = heads.head_cuts(skeleton, module_styles, counts)
-    for module, message in heads.alignment_errors(cuts, world_size):
+    for module, message in heads.alignment_errors(cuts, world_size, kv_replication):
         issues.errors.add("head_alignment", module, message)
+    grouped = heads.replicated_kv(cuts, world_size) if kv_replication else []
+    kv_groups = {c.module: c.count for c in grouped}
+    _replicate_kv(kv_groups, entries, module_styles, world_size, issues)
     found = heads.head_params(skeleton, cuts)
-    _place_head_params(found, entries, module_styles, world_size, issues)
+    _place_head_params(found, entries, module_styles, world_size, issues, kv_groups)
+    return heads.local_kv_groups(cuts, grouped, world_size)
+
+
+def _replicate_kv(
+    kv_groups: dict[str, int],
+    entries: list[TensorPlan],
+    module_styles: dict[str, str],
+    world_size: int,
+    issues: PlanIssues,
+) -> None:
+    """Cut each key-value projection's sharded tensors into its heads (`kv_groups`: module ->
+    heads), each held by world_size/heads consecutive ranks, and warn with the bytes that adds
+    over an exact split. Such a module computes on its plain local tensors: the rank's own
+    key-value head from the replicated input, which is all colwise would do."""
+    grouped = [e for e in entries if e.module in kv_groups and e.shard_dim is not None]
+    for entry in grouped:
+        heads_held = kv_groups[entry.module]
+        # one key-value head (multi-query attention) is simply whole on every rank
+        dim = entry.shard_dim if heads_held > 1 else None
+        _place(entry, styles.Cut(dim, groups=heads_held if dim is not None else None), world_size)
+        module_styles[entry.module] = "local_params"
+    if not grouped:
+        return
+    extra = sum(sum(r.bytes for r in e.ranks) - e.nbytes for e in grouped)
+    heads_of = sorted(set(kv_groups.values()))
+    issues.warnings.add(
+        "kv_heads_replicated",
+        grouped[0].module,
+        f"{world_size} ranks exceed the {'/'.join(map(str, heads_of))} key-value heads: "
+        f"{len(grouped)} tensor(s) of {len(kv_groups)} key-value projection(s) (e.g. "
+        f"{fold_layers(grouped[0].name)}) are cut into their heads, each held by the "
+        f"{world_size // heads_of[0]} consecutive ranks whose query heads use it "
+        f"({grouped[0].placement}); this adds {human_bytes(extra)} ({extra} bytes) in all, "
+        f"{human_bytes(extra // world_size)} per rank, over an exact split; pass "
+        "--no-kv-replication (kv_replication=False) to refuse instead",
+    )
 
 
 def _place_head_params(
@@ -130,9 +172,11 @@ def _place_head_params(
     module_styles: dict[str, str],
     world_size: int,
     issues: PlanIssues,
+    kv_groups: dict[str, int],
 ) -> None:
     """Parameters that hold one row per head follow their heads (sharded by head where the
-    plan left them whole); a norm spanning all heads of a cut projection is refused."""
+    plan left them whole, in groups where the heads are replicated); a norm spanning all heads
+    of a cut projection is refused."""
     by_name = {e.name: e for e in entries}
     resharded: dict[str, list[TensorPlan]] = {}  # layer-folded name -> entries
     for hp in found:
@@ -148,8 +192,12 @@ def _place_head_params(
                 "heads; gather its output instead (colwise_gather_output, and rowwise_split_input "
                 "on the output projection)",
             )
-        elif entry.placement == "replicate" and module_styles.get(hp.module) in PLAIN_TENSOR_STYLES:
-            _shard_by_head(entry, world_size)
+        elif (
+            entry.placement == "replicate"
+            and module_styles.get(hp.module) in PLAIN_TENSOR_STYLES
+            and kv_groups.get(hp.cut) != 1
+        ):
+            _shard_by_head(entry, world_size, kv_groups.get(hp.cut))
             module_styles[hp.module] = "local_params"
             resharded.setdefault(fold_layers(hp.name), []).append(entry)
     for folded, same in resharded.items():
@@ -158,15 +206,21 @@ def _place_head_params(
             same[0].name,
             f"{folded} ({len(same)} tensor(s), {same[0].global_shape}) holds one row per "
             "head of a projection the plan cuts by head; tpviz shards it by head too "
-            "(shard(0)), so each rank applies its own heads' rows",
+            f"({same[0].placement}), so each rank applies its own heads' rows",
         )
 
 
-def _shard_by_head(entry: TensorPlan, world_size: int) -> None:
-    """Re-place a replicated entry as colwise cuts it, shard(0) (the name given stays)."""
+def _shard_by_head(entry: TensorPlan, world_size: int, groups: int | None) -> None:
+    """Re-place a replicated entry as colwise cuts it, shard(0), or in `groups` (the name
+    given stays)."""
     colwise = styles.canonical("colwise")
     cut = colwise.cut(entry.name.rpartition(".")[2], len(entry.global_shape))
     entry.style = colwise.name
-    entry.placement, entry.pattern = cut.placement, None
+    entry.pattern = None
+    _place(entry, styles.Cut(cut.dim, cut.parts, groups), world_size)
+
+
+def _place(entry: TensorPlan, cut: styles.Cut, world_size: int) -> None:
     itemsize = torch_dtype(entry.dtype).itemsize
+    entry.placement = cut.placement
     entry.ranks = cut.rank_shards(entry.global_shape, world_size, itemsize)

@@ -23,6 +23,13 @@ from ..keymap import match_checkpoint
 from ..models import ModelAdapter, adapter_for_module, build_skeleton, get_adapter, read_config
 from ..models.config import config_dtype
 from ..strategies import STRATEGIES, forecast
+from .experts import (
+    check_expert_parallel,
+    check_layout,
+    expert_count,
+    expert_parallel_plan,
+    find_experts,
+)
 from .issues import (
     PlanIssues,
     check_heads,
@@ -42,23 +49,37 @@ def resolve_plan(
     dtype: str | torch.dtype | None = None,
     model: str | None = None,
     checkpoint: str | os.PathLike | None = None,
+    kv_replication: bool = True,
+    experts: str | None = None,
 ) -> ResolvedPlan:
     """Resolve a TP plan against a model and (optionally) its checkpoint, allocating nothing.
 
     `source` is a checkpoint directory or file, a directory holding only config.json, or an
     `nn.Module` (meta is fine) with an optional `checkpoint`. `plan` defaults to the model
-    family's plan. Problems are returned in `errors` / `warnings`, not raised.
+    family's plan. With more ranks than key-value heads, `kv_replication` replicates each
+    key-value head over the ranks that use it (False: a `head_alignment` error). `experts`:
+    "tp" (default) places mixture-of-experts tensors as the plan says; "ep" gives every rank
+    whole experts (expert parallelism), the rest as the plan says; None with a ResolvedPlan: as
+    it was resolved. Problems are returned in `errors` / `warnings`, not raised.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    if experts is not None:
+        check_layout(experts)
     if isinstance(plan, ResolvedPlan):
         if plan.world_size != world_size:
             raise ValueError(
                 f"the plan was resolved for world size {plan.world_size}, not {world_size}"
             )
+        if experts is not None and plan.experts != experts:
+            raise ValueError(
+                f"the plan was resolved with experts={plan.experts!r}, not {experts!r}"
+            )
         return plan
     with _gc_paused():
-        return _resolve_source(source, world_size, plan, dtype, model, checkpoint)
+        return _resolve_source(
+            source, world_size, plan, dtype, model, checkpoint, kv_replication, experts or "tp"
+        )
 
 
 @dataclass
@@ -79,6 +100,8 @@ def _resolve_source(
     dtype: str | torch.dtype | None,
     model: str | None,
     checkpoint: str | os.PathLike | None,
+    kv_replication: bool,
+    experts: str,
 ) -> ResolvedPlan:
     if isinstance(source, nn.Module):
         adapter = adapter_for_module(source)
@@ -94,7 +117,7 @@ def _resolve_source(
     if patterns is None:
         patterns = found.adapter.default_plan(found.skeleton)
     target = _target_dtype(dtype, found.config, found.ckpt)
-    return _resolve(found, world_size, patterns, target)
+    return _resolve(found, world_size, patterns, target, kv_replication, experts)
 
 
 @contextlib.contextmanager
@@ -129,10 +152,17 @@ def _target_dtype(
 
 
 def _resolve(
-    found: _Model, world_size: int, patterns: Mapping[str, str], target: torch.dtype
+    found: _Model,
+    world_size: int,
+    patterns: Mapping[str, str],
+    target: torch.dtype,
+    kv_replication: bool,
+    experts: str,
 ) -> ResolvedPlan:
-    compiled = CompiledPlan(patterns)
     issues = PlanIssues()
+    if experts == "ep":
+        patterns = _expert_parallel(found, patterns, issues)
+    compiled = CompiledPlan(patterns)
     for issue in compiled.errors:
         issues.errors.add(issue.code, issue.name, issue.message)
     walk = Walk(compiled, world_size, target, issues.errors)
@@ -141,10 +171,32 @@ def _resolve(
     report_unsupported(walk.unsupported, issues.errors)
     report_unmatched(compiled, issues.warnings)
     counts = found.adapter.head_counts(found.config)
-    check_heads(found.skeleton, counts, walk.entries, walk.module_styles, world_size, issues)
+    kv_groups = check_heads(
+        found.skeleton, counts, walk.entries, walk.module_styles, world_size, issues, kv_replication
+    )
+    check_expert_parallel(walk.entries, walk.module_styles, world_size, issues.errors)
     _check_checkpoint(found, walk.entries, issues)
     warn_if_mostly_replicated(walk.entries, world_size, issues.warnings)
-    return _plan(found, walk, world_size, target, patterns, issues)
+    plan = _plan(found, walk, world_size, target, patterns, issues)
+    plan.local_kv_groups = kv_groups
+    plan.experts = experts
+    return plan
+
+
+def _expert_parallel(
+    found: _Model, patterns: Mapping[str, str], issues: PlanIssues
+) -> Mapping[str, str]:
+    """The plan with whole experts per rank, or as given (with a warning) without experts."""
+    moes = find_experts(found.skeleton, patterns, expert_count(found.config))
+    if not moes:
+        issues.warnings.add(
+            "no_experts",
+            "",
+            "experts='ep': no experts module found (none is given an experts style, none holds "
+            "stacked tensors whose first dim is the config's expert count); planned as given",
+        )
+        return patterns
+    return expert_parallel_plan(patterns, found.skeleton, moes)
 
 
 def _check_checkpoint(found: _Model, entries: list[TensorPlan], issues: PlanIssues) -> None:

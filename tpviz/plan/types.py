@@ -36,7 +36,7 @@ class TensorPlan:
     module: str
     style: str
     style_given: str
-    placement: str  # "replicate" or "shard(D)"
+    placement: str  # "replicate", "shard(D)" or "shard(D, groups=G)"
     global_shape: list[int]
     dtype: str  # target dtype
     tied_to: list[str]
@@ -53,7 +53,13 @@ class TensorPlan:
 
     @property
     def shard_dim(self) -> int | None:
-        return None if self.placement == "replicate" else int(self.placement[6:-1])
+        return None if self.placement == "replicate" else int(_shard_args(self.placement)[0])
+
+    @property
+    def groups(self) -> int | None:
+        """G of `shard(D, groups=G)`: chunks each held by world_size/G consecutive ranks."""
+        args = _shard_args(self.placement) if self.placement != "replicate" else ()
+        return int(args[1].partition("=")[2]) if len(args) > 1 else None
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +68,11 @@ class TensorPlan:
     def source_nbytes(self, elements: int | None = None) -> int:
         n = math.prod(self.global_shape) if elements is None else elements
         return n * torch_dtype(self.source_dtype or self.dtype).itemsize
+
+
+def _shard_args(placement: str) -> list[str]:
+    """["D"] of "shard(D)", ["D", "groups=G"] of "shard(D, groups=G)"."""
+    return [a.strip() for a in placement[6:-1].split(",")]
 
 
 @dataclass(slots=True)
@@ -86,6 +97,10 @@ class ResolvedPlan:
     module_styles: dict[str, str] = field(default_factory=dict)  # module -> forward style
     has_weights: bool = True
     patterns: dict[str, str] = field(default_factory=dict)  # the plan keys that were resolved
+    # attention module -> query heads per key-value head on each rank, where the key-value
+    # heads are replicated (its `num_key_value_groups` on the ranks)
+    local_kv_groups: dict[str, int] = field(default_factory=dict)
+    experts: str = "tp"  # mixture-of-experts layout: "tp" (cut by the plan) or "ep" (whole)
 
     def tensor(self, name: str) -> TensorPlan:
         if not hasattr(self, "_by_name"):

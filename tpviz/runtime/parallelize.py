@@ -10,6 +10,8 @@ module's forward is an ordinary matmul on the rank's own blocks."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,7 +20,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..checkpoint import dtype_name
 from ..plan import ResolvedPlan, TensorPlan
-from ..styles import PARTIAL, REPLICATE, STYLES, Forward
+from ..plan.experts import EP_TENSOR
+from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward
 
 
 def forward_of(plan: ResolvedPlan, module: str) -> Forward | None:
@@ -70,9 +73,54 @@ def _sum_output(module: nn.Module, inputs: tuple, output: torch.Tensor, mesh: De
     return output
 
 
-def _install_partial_hooks(module: nn.Module, forward: Forward, mesh: DeviceMesh) -> None:
+def local_experts(plan: ResolvedPlan, rank: int) -> dict[str, tuple[int, int]]:
+    """Experts module -> (its first expert, how many) that `rank` holds whole, read from the
+    plan's expert-parallel tensors."""
+    out: dict[str, tuple[int, int]] = {}
+    for e in plan.params:
+        if e.style == EP_TENSOR and e.module not in out:
+            shard = e.ranks[rank]
+            out[e.module] = (shard.blocks[0].offset[0] if shard.blocks else 0, shard.shape[0])
+    return out
+
+
+def _install_routing(module: nn.Module, first: int, count: int) -> None:
+    """An experts module made to run only this rank's experts `first`..`first + count`.
+
+    Every rank gets the whole batch and the replicated router's choice (global expert ids);
+    the pre-hook makes them local ids, and a route to another rank's expert gets the id
+    `count` with weight 0: transformers' expert-parallel convention, whose experts kernels skip
+    that id when the module is marked expert-parallel (`num_experts` = its local count,
+    `_is_expert_parallel`). Each token's output is then this rank's term of the sum over all
+    experts, which the all-reduce after the module completes: exact, with no tokens moved."""
+    if hasattr(module, "num_experts"):
+        module.num_experts = count
+    if hasattr(module, "_is_expert_parallel"):
+        module._is_expert_parallel = True
+    # (hidden_states, expert ids, routing weights), passed by position or by name
+    signature = inspect.signature(module.forward)
+    _, ids_arg, weights_arg = list(signature.parameters)[:3]
+
+    def route(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        bound = signature.bind(*args, **kwargs)
+        local = bound.arguments[ids_arg] - first
+        elsewhere = (local < 0) | (local >= count)
+        bound.arguments[ids_arg] = torch.where(elsewhere, count, local)
+        bound.arguments[weights_arg] = bound.arguments[weights_arg].masked_fill(elsewhere, 0)
+        return bound.args, bound.kwargs
+
+    module.register_forward_pre_hook(route, with_kwargs=True)
+
+
+def _install_partial_hooks(
+    module: nn.Module, forward: Forward, mesh: DeviceMesh, experts: tuple[int, int] | None
+) -> None:
     """Hooks of a module computing a partial sum on plain local tensors (MoE experts): what
-    DTensor would do for Replicate -> Partial (divide) and Partial -> Replicate (all-reduce)."""
+    DTensor would do for Replicate -> Partial (divide) and Partial -> Replicate (all-reduce);
+    experts under expert parallelism (`experts`: this rank's first and count) see their routes
+    remapped first."""
+    if forward.input == ROUTED and experts is not None:  # the plan checks it has experts
+        _install_routing(module, *experts)
     if forward.input == PARTIAL:
         module.register_forward_pre_hook(lambda mod, inputs: _split_input(mod, inputs, mesh))
     if forward.compute == PARTIAL and forward.output == REPLICATE:
@@ -82,14 +130,18 @@ def _install_partial_hooks(module: nn.Module, forward: Forward, mesh: DeviceMesh
 
 
 def apply_styles(model: nn.Module, plan: ResolvedPlan, mesh: DeviceMesh) -> None:
-    """Install the forward hooks of every module whose style redistributes activations."""
+    """Install the forward hooks of every module whose style redistributes activations, and
+    give attention whose key-value heads are replicated its local head ratio."""
+    for name, groups in plan.local_kv_groups.items():
+        _set_local_kv_groups(model.get_submodule(name), groups)
+    experts = local_experts(plan, mesh.get_local_rank())
     for name in plan.module_styles:
         forward = forward_of(plan, name)
         if forward is None:
             continue  # packed / replicated: plain tensors, no hooks
         module = model.get_submodule(name)
         if not forward.on_dtensors:
-            _install_partial_hooks(module, forward, mesh)
+            _install_partial_hooks(module, forward, mesh, experts.get(name))
             continue
         module.register_forward_pre_hook(
             lambda mod, inputs, forward=forward: _prepare_input(forward, mod, inputs, mesh)
@@ -97,6 +149,15 @@ def apply_styles(model: nn.Module, plan: ResolvedPlan, mesh: DeviceMesh) -> None
         module.register_forward_hook(
             lambda mod, inputs, output, forward=forward: _prepare_output(forward, output, mesh)
         )
+
+
+def _set_local_kv_groups(attention: nn.Module, groups: int) -> None:
+    """Each rank holds one key-value head for its `groups` query heads; attention code that
+    repeats key-value heads by the module's `num_key_value_groups` (transformers') must repeat
+    them that often, not by the global ratio. Code that reads the ratio off the tensors' head
+    counts (the built-in Llama) needs nothing."""
+    if isinstance(getattr(attention, "num_key_value_groups", None), int):
+        attention.num_key_value_groups = groups
 
 
 def is_distributed(plan: ResolvedPlan, entry: TensorPlan) -> bool:

@@ -4,7 +4,7 @@ Pure: the plan places tensors with a style's cut; the runtime installs the forwa
 `forward` describes.
 """
 
-from .base import ANY, EMBEDDING, LINEAR, PARTIAL, REPLICATE, Cut, Forward, Style
+from .base import ANY, EMBEDDING, LINEAR, PARTIAL, REPLICATE, ROUTED, Cut, Forward, Style
 from .registry import (
     ALIASES,
     DEFAULT_STYLE,
@@ -23,6 +23,7 @@ __all__ = [
     "LINEAR",
     "PARTIAL",
     "REPLICATE",
+    "ROUTED",
     "STYLES",
     "UNSUPPORTED",
     "Cut",

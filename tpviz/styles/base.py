@@ -29,6 +29,9 @@ SHARD_FEATURES = "shard(-1)"  # an activation cut along its last (feature) dim
 # a sum over the ranks, each rank holding one term: computed on plain local tensors, never as
 # a DTensor (DTensor turns a replicated value into a partial one by dividing it by the ranks)
 PARTIAL = "partial"
+# the input of an experts module under expert parallelism: the router's (global) expert ids,
+# remapped on each rank to its own experts, every other route masked
+ROUTED = "routed"
 
 
 def module_kind(module: nn.Module) -> str:
@@ -43,14 +46,19 @@ def module_kind(module: nn.Module) -> str:
 @dataclass(frozen=True, slots=True)
 class Cut:
     """How one tensor is cut: along `dim` (None: whole on every rank) in `parts` packed parts,
-    each chunked over the ranks on its own (torch.chunk semantics)."""
+    each chunked over the ranks on its own (torch.chunk semantics); with `groups`, chunked
+    into that many chunks, each held by world_size/groups consecutive ranks."""
 
     dim: int | None
     parts: int = 1
+    groups: int | None = None
 
     @property
     def placement(self) -> str:
-        return REPLICATE if self.dim is None else f"shard({self.dim})"
+        if self.dim is None:
+            return REPLICATE
+        groups = "" if self.groups is None else f", groups={self.groups}"
+        return f"shard({self.dim}{groups})"
 
     def splits_evenly(self, shape: list[int]) -> bool:
         """Whether the packed parts are equal (always true for an unpacked cut)."""
@@ -60,7 +68,8 @@ class Cut:
         """What each rank holds of a tensor of `shape`: its blocks, their local shape and bytes
         (the memory cost of the cut)."""
         out = []
-        for rank, blocks in enumerate(shard_blocks(shape, self.dim, world_size, self.parts)):
+        per_rank = shard_blocks(shape, self.dim, world_size, self.parts, self.groups)
+        for rank, blocks in enumerate(per_rank):
             lshape = local_shape(shape, self.dim, blocks)
             out.append(RankShard(rank, lshape, math.prod(lshape) * itemsize, blocks))
         return out

@@ -12,6 +12,7 @@ from .base import Style
 from .colwise import Colwise
 from .colwise_gather_output import ColwiseGatherOutput
 from .embedding_rowwise import EmbeddingRowwise
+from .expert_parallel import EpDispatchExperts, GroupedGemm
 from .moe_experts import MoeIdentityExpert, MoeTpExperts
 from .packed_colwise import PackedColwise
 from .packed_rowwise import PackedRowwise
@@ -32,6 +33,8 @@ STYLES: dict[str, Style] = {
         PackedRowwise(),
         MoeTpExperts(),
         MoeIdentityExpert(),
+        EpDispatchExperts(),
+        GroupedGemm(),
         AllReduce(),
         ReplicatedWithGradAllreduce(),
         MlaKvAProj(),
@@ -55,7 +58,6 @@ UNSUPPORTED: frozenset[str] = frozenset(
         "local_packed_rowwise",
         "sequence_parallel",
         "ep_router",
-        "grouped_gemm",
         "isolated",
         "gather",
         "local",

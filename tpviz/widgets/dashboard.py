@@ -20,6 +20,7 @@ from ..launcher import LoadError, LoadJob, launch
 from ..models.demo import PRESETS, cache_dir, demo_checkpoint
 from ..plan import STRATEGIES, ResolvedPlan, load_plan_patterns, resolve_plan
 from ..report import html_page, load_parts, plan_parts
+from ..suggest import Suggestion, suggest_plan
 from . import figures
 from .monitor import LoadMonitor, MemoryChart
 from .plan_view import PlanView, issues_html
@@ -57,6 +58,7 @@ class Dashboard(widgets.VBox):
             [
                 widgets.HBox([self.model, self.source]),
                 widgets.HBox([self.strategy, self.dtype, self.device, self.verify, self.profile]),
+                self.experts,
                 widgets.HBox([self.load_button, self.status]),
                 self.tabs,
             ]
@@ -89,6 +91,11 @@ class Dashboard(widgets.VBox):
             description="dtype",
         )
         self.device = widgets.Dropdown(options=devices, description="device")
+        self.experts = widgets.ToggleButtons(
+            options=[("experts: TP slices", "tp"), ("experts: whole per rank (EP)", "ep")],
+            value="tp",
+            tooltips=["every rank a slice of every expert", "each rank whole experts"],
+        )
         self.verify = widgets.Checkbox(value=True, description="verify", indent=False)
         self.profile = widgets.Checkbox(value=False, description="profile", indent=False)
         self.load_button = widgets.Button(description="Load", icon="play", button_style="primary")
@@ -103,6 +110,11 @@ class Dashboard(widgets.VBox):
             placeholder='{"layers.*.mlp.up_proj": "colwise", ...}',
             layout=widgets.Layout(width="100%"),
         )
+        self.suggest_button = widgets.Button(
+            description="suggest",
+            icon="magic",
+            tooltip="propose a plan from the model's structure, proven on simulated ranks",
+        )
         self.validation = widgets.HTML()
         self.plan_box = widgets.VBox()
         self.chart = MemoryChart(figures.default_measure(device))
@@ -110,7 +122,12 @@ class Dashboard(widgets.VBox):
         self.comparison = widgets.HTML()
         plan_tab = widgets.VBox(
             [
-                widgets.HTML("<b>Plan</b> (JSON: pattern → style; validated as you type)"),
+                widgets.HBox(
+                    [
+                        widgets.HTML("<b>Plan</b> (JSON: pattern → style; validated as you type)"),
+                        self.suggest_button,
+                    ]
+                ),
                 self.plan_editor,
                 self.validation,
                 self.plan_box,
@@ -125,7 +142,10 @@ class Dashboard(widgets.VBox):
         self.model.observe(lambda _: self.open_source(), "value")
         self.source.observe(lambda _: self.open_source(), "value")
         self.dtype.observe(self._on_dtype, "value")
+        # the layout changes the plan's keys for the experts: start again from the default plan
+        self.experts.observe(lambda _: self.open_source(), "value")
         self.plan_editor.observe(self._on_plan_text, "value")
+        self.suggest_button.on_click(lambda _: self.suggest())
 
     # --- choosing and resolving -------------------------------------------------------------
 
@@ -150,7 +170,10 @@ class Dashboard(widgets.VBox):
         world_size = self.plan_view.world_size.value if self.plan_view else self._world_size
         try:
             plan = resolve_plan(
-                self.source.value.strip(), world_size, dtype=self.dtype.value or None
+                self.source.value.strip(),
+                world_size,
+                dtype=self.dtype.value or None,
+                experts=self.experts.value,
             )
         except (ValueError, OSError) as e:
             self._patterns = None  # nothing to load until a source resolves
@@ -165,6 +188,25 @@ class Dashboard(widgets.VBox):
         self._show(plan)
         self.status.value = ""
         return plan
+
+    def suggest(self) -> Suggestion | None:
+        """Fill the plan editor with a plan suggested for the chosen source and world size."""
+        if self.plan is None or self.plan.source is None:
+            return None
+        self.status.value = "suggesting a plan: proving each part on simulated ranks ..."
+        try:
+            found = suggest_plan(
+                self.plan.source, self.plan.world_size, dtype=self.dtype.value or None
+            )
+        except (ValueError, OSError) as e:
+            self.validation.value = issues_html(None, str(e))
+            self.status.value = ""
+            return None
+        self.plan_editor.value = json.dumps(found.plan, indent=2)  # observed: validated, shown
+        self.status.value = escape(
+            f"suggested plan: shards {found.decoder_share:.1%} of the decoder layers' bytes"
+        )
+        return found
 
     def _on_plan_text(self, change: dict[str, Any]) -> None:
         if not self._editing:
@@ -189,7 +231,11 @@ class Dashboard(widgets.VBox):
             return None
         try:
             plan = resolve_plan(
-                self.plan.source, self.plan.world_size, patterns, dtype=self.dtype.value or None
+                self.plan.source,
+                self.plan.world_size,
+                patterns,
+                dtype=self.dtype.value or None,
+                experts=self.experts.value,
             )
         except (ValueError, OSError) as e:
             self._patterns = None

@@ -134,6 +134,12 @@ def table_html(plan: ResolvedPlan, tensors: list[TensorPlan], open_all: bool = F
     return f'<div class="tpviz-plan">{"".join(out)}</div>'
 
 
+def _experts_grid(plan: ResolvedPlan) -> go.Figure:
+    """The first MoE layer's experts x ranks grid (empty for a model without experts)."""
+    moes = figures.experts_modules(plan)
+    return figures.experts_grid_figure(plan, moes[0]) if moes else go.Figure()
+
+
 def replace_figure(widget: FigureWidget, fig: go.Figure) -> None:
     """Swap a FigureWidget's content in place (a new FigureWidget would resend plotly's
     bundle of several MB to the browser)."""
@@ -175,6 +181,8 @@ class PlanView(widgets.VBox):
         self.issues = widgets.HTML()
         # drawn from the start: the state a FigureWidget opens with always reaches the browser
         self.bytes_figure = FigureWidget(figures.bytes_by_style_figure(plan))
+        self.experts_figure = FigureWidget(_experts_grid(plan))
+        self.experts_box = widgets.VBox([self.experts_figure])  # shown for MoE models only
         self.tensor = widgets.Dropdown(description="tensor", layout=widgets.Layout(width="600px"))
         self.block_figure = FigureWidget(
             figures.block_diagram_figure(figures.representative_tensor(plan.params))
@@ -191,6 +199,7 @@ class PlanView(widgets.VBox):
                 widgets.HBox([self.world_size, self.name_filter, self.style_filter]),
                 self.issues,
                 self.bytes_figure,
+                self.experts_box,
                 self.tensor,
                 self.block_figure,
                 self.table,
@@ -219,6 +228,8 @@ class PlanView(widgets.VBox):
         self.header.value = self._header()
         self.issues.value = issues_html(plan)
         replace_figure(self.bytes_figure, figures.bytes_by_style_figure(plan))
+        replace_figure(self.experts_figure, _experts_grid(plan))
+        self.experts_box.layout.display = "" if figures.experts_modules(plan) else "none"
         self._refilter()
         for listener in list(self._listeners):
             listener(plan)
@@ -236,6 +247,7 @@ class PlanView(widgets.VBox):
                 self.plan.patterns,
                 dtype=self.plan.dtype,
                 model=self.plan.model,
+                experts=self.plan.experts,
             )
         except (ValueError, OSError) as e:
             self.issues.value = issues_html(None, f"cannot resolve for {size} rank(s): {e}")

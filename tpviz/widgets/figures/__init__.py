@@ -3,6 +3,7 @@
 - `palette`        rank and style colours, the unit of a bytes axis, titles with a note
 - `plan`           bytes per rank by style, the plan table, the most telling tensor
 - `blocks`         one tensor's block diagram, drawn to scale
+- `experts`        a MoE layer: experts x ranks, router and shared experts beside
 - `memory_series`  memory samples per rank as events arrive, and each load's forecasts
 - `memory`         memory over time: lines, forecast lines, measures, layout
 - `results`        a finished load: summary rows and table, headline, peaks vs forecasts
@@ -13,6 +14,7 @@ builder, whichever module holds it.
 """
 
 from .blocks import block_diagram_figure, block_rect
+from .experts import expert_bytes, experts_grid_figure, experts_modules
 from .memory import (
     ABSOLUTE_MEASURES,
     MEASURES,
@@ -49,6 +51,9 @@ __all__ = [
     "block_rect",
     "bytes_by_style_figure",
     "default_measure",
+    "expert_bytes",
+    "experts_grid_figure",
+    "experts_modules",
     "headline",
     "in_unit",
     "memory_figure",

@@ -1,5 +1,7 @@
 """One tensor drawn to scale as its ranks hold it: each rank's blocks a rectangle in the rank's
-colour, a replicated tensor one hatched rectangle, an empty rank a legend entry."""
+colour, a replicated tensor one hatched rectangle, an empty rank a legend entry. A chunk held
+whole by several ranks (`shard(D, groups=G)`: replicated key-value heads) is drawn in stripes,
+one per rank that holds it, each stripe standing for the whole chunk."""
 
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ def block_diagram_figure(tensor: TensorPlan) -> go.Figure:
         if not shard.blocks:
             fig.add_trace(_empty_rank_trace(shard))
             continue
-        rects = [block_rect(b, ndim) for b in shard.blocks]
-        fig.add_trace(_rank_blocks_trace(shard, rects))
+        sharing = sharing_ranks(tensor, shard.rank)
+        rects = [_stripe(block_rect(b, ndim), sharing, shard.rank, ndim) for b in shard.blocks]
+        fig.add_trace(_rank_blocks_trace(shard, rects, sharing))
         for i, (x0, x1, y0, y1) in enumerate(rects):
             part = f" · part {i + 1}" if len(rects) > 1 else ""
             label_x.append((x0 + x1) / 2)
@@ -58,6 +61,30 @@ def block_rect(block: Block, ndim: int) -> Rect:
         block.offset[0],
         block.offset[0] + block.shape[0],
     )
+
+
+def sharing_ranks(tensor: TensorPlan, rank: int) -> list[int]:
+    """The ranks that hold the same chunk of `tensor` as `rank` (just `rank` unless the tensor
+    is cut in groups: each chunk is held by world_size/groups consecutive ranks)."""
+    if tensor.groups is None:
+        return [rank]
+    share = len(tensor.ranks) // tensor.groups
+    first = rank // share * share
+    return list(range(first, first + share))
+
+
+def _stripe(rect: Rect, sharing: list[int], rank: int, ndim: int) -> Rect:
+    """`rank`'s stripe of a chunk's rectangle shared by the ranks `sharing`: across the
+    columns of a matrix, across the height of a 1-D row."""
+    if len(sharing) < 2:
+        return rect
+    i, n = sharing.index(rank), len(sharing)
+    x0, x1, y0, y1 = rect
+    if ndim >= 2:
+        w = (x1 - x0) / n
+        return x0 + i * w, x0 + (i + 1) * w, y0, y1
+    h = (y1 - y0) / n
+    return x0, x1, y0 + i * h, y0 + (i + 1) * h
 
 
 def _polygons(rects: list[Rect]) -> tuple[list, list]:
@@ -100,9 +127,11 @@ def _empty_rank_trace(shard: RankShard) -> go.Scatter:
     )
 
 
-def _rank_blocks_trace(shard: RankShard, rects: list[Rect]) -> go.Scatter:
+def _rank_blocks_trace(shard: RankShard, rects: list[Rect], sharing: list[int]) -> go.Scatter:
     """The rank's blocks (one per part for packed styles), filled in its colour."""
     xs, ys = _polygons(rects)
+    others = [r for r in sharing if r != shard.rank]
+    shared = f" · same chunk as rank {', '.join(map(str, others))}" if others else ""
     return go.Scatter(
         x=xs,
         y=ys,
@@ -110,9 +139,9 @@ def _rank_blocks_trace(shard: RankShard, rects: list[Rect]) -> go.Scatter:
         mode="lines",
         line={"color": "white", "width": 1},
         fillcolor=rank_color(shard.rank),
-        name=f"rank {shard.rank}: {shape_text(shard.shape)} · {human_bytes(shard.bytes)}",
+        name=f"rank {shard.rank}: {shape_text(shard.shape)} · {human_bytes(shard.bytes)}{shared}",
         hoveron="fills",
-        meta={"kind": "block", "rank": shard.rank},
+        meta={"kind": "block", "rank": shard.rank, "sharing": sharing},
     )
 
 
@@ -133,6 +162,9 @@ def _block_axes(fig: go.Figure, tensor: TensorPlan) -> None:
     rank_shapes = ", ".join(f"rank {s.rank} {shape_text(s.shape)}" for s in tensor.ranks)
     if any(not s.blocks for s in tensor.ranks):
         rank_shapes += " (torch.chunk leaves trailing ranks empty)"
+    if tensor.groups is not None:
+        share = len(tensor.ranks) // tensor.groups
+        rank_shapes += f" (each chunk held whole by {share} ranks, drawn as stripes)"
     fig.update_layout(
         title=titled(
             f"{tensor.name} {shape_text(shape)}: {tensor.placement}, {tensor.style}{note}",

@@ -69,14 +69,16 @@ def _bytes_by_style(plan: ResolvedPlan) -> dict[tuple[str, bool], list[int]]:
 
 
 def representative_tensor(tensors: Sequence[TensorPlan]) -> TensorPlan:
-    """The tensor whose diagram shows a plan best: an uneven split, else a packed one, else a
-    sharded weight inside a layer, else any sharded one, else the first."""
+    """The tensor whose diagram shows a plan best: one whose chunks ranks share (replicated
+    key-value heads), else an uneven split, else a packed one, else a sharded weight inside a
+    layer, else any sharded one, else the first."""
     sharded = [t for t in tensors if t.shard_dim is not None]
 
     def uneven(t: TensorPlan) -> bool:
         return len({s.bytes for s in t.ranks}) > 1
 
     for pick in (
+        lambda t: t.groups is not None,
         uneven,
         lambda t: sum(len(s.blocks) for s in t.ranks) > len(t.ranks),
         lambda t: layer_of(t.name) is not None and len(t.global_shape) == 2,

@@ -1,0 +1,137 @@
+"""Expert parallelism as a plan: which modules are experts, and the plan keys that place them.
+
+Under `experts="ep"` attention and everything else keep the TP plan; every experts module gets
+`ep_dispatch_experts` and its stacked expert tensors `grouped_gemm` (cut along the expert dim,
+whole experts per rank). An experts module is found from structure, not from model names: a
+module the plan gives an experts style, or one holding a stacked tensor (3-D or more) whose
+first dim is the config's expert count. The keys the TP plan gave the experts (e.g.
+`moe_tp_experts`, `packed_colwise` on `gate_up_proj`) are replaced, so the plan JSON lists the
+keys that were really resolved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from .. import styles
+from .issues import Issues
+from .patterns import CompiledPlan, PlanKey
+from .types import TensorPlan
+
+LAYOUTS = ("tp", "ep")
+EP_MODULE = "ep_dispatch_experts"
+EP_TENSOR = "grouped_gemm"
+EXPERT_STYLES = {  # the styles that run an experts module
+    "moe_tp_experts",
+    EP_MODULE,
+}
+# how configs name the number of routed experts (Mixtral, Qwen/OLMoE, DeepSeek)
+_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def check_layout(experts: str) -> None:
+    if experts not in LAYOUTS:
+        raise ValueError(f"experts must be one of {', '.join(LAYOUTS)}, got {experts!r}")
+
+
+def expert_count(config: Mapping[str, Any]) -> int | None:
+    """The number of routed experts the config declares (its text config's, if nested)."""
+    for where in (config, config.get("text_config") or {}):
+        for key in _COUNT_KEYS:
+            value = where.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _style_name(key: PlanKey | None) -> str | None:
+    if key is None:
+        return None
+    return styles.ALIASES.get(key.style_given, key.style_given)
+
+
+def find_experts(
+    skeleton: nn.Module, patterns: Mapping[str, str], count: int | None
+) -> dict[str, list[str]]:
+    """Experts module -> the leaves of its stacked expert tensors (first dim = expert count)."""
+    compiled = CompiledPlan(patterns)
+    found: dict[str, list[str]] = {}
+    for name, module in skeleton.named_modules():
+        params = {leaf: p for leaf, p in module._parameters.items() if p is not None}
+        stacked = [p for p in params.values() if p.dim() >= 3]
+        if not stacked:
+            continue
+        named = _style_name(compiled.peek(name)) in EXPERT_STYLES
+        n = stacked[0].shape[0] if named else count
+        if n is None or not any(p.shape[0] == n for p in stacked):
+            continue
+        found[name] = [leaf for leaf, p in params.items() if p.dim() >= 1 and p.shape[0] == n]
+    return found
+
+
+def expert_parallel_plan(
+    patterns: Mapping[str, str], skeleton: nn.Module, experts: Mapping[str, list[str]]
+) -> dict[str, str]:
+    """The TP plan with every experts module (and its stacked tensors) placed whole-expert."""
+    # a key that reaches an experts module, or anything inside it (an identity expert), goes
+    names = []
+    for module in experts:
+        inner = skeleton.get_submodule(module)
+        names += [_join(module, n) for n, _ in inner.named_modules()]
+        names += [_join(module, n) for n, _ in inner.named_parameters()]
+    kept = {}
+    for pattern, style in patterns.items():
+        regex = PlanKey.compile(pattern, str(style)).regex
+        if not any(regex.search(n) for n in names):
+            kept[pattern] = style
+    added: dict[str, str] = {}
+    for module, leaves in experts.items():
+        wildcard = ".".join("*" if s.isdigit() else s for s in module.split("."))
+        added[wildcard] = EP_MODULE
+        for leaf in leaves:
+            added[f"{wildcard}.{leaf}"] = EP_TENSOR
+    return {**kept, **added}
+
+
+def _join(module: str, leaf: str) -> str:
+    return f"{module}.{leaf}" if leaf else module
+
+
+def check_expert_parallel(
+    entries: list[TensorPlan], module_styles: Mapping[str, str], world_size: int, errors: Issues
+) -> None:
+    """Whole experts per rank need both halves of the EP plan: `grouped_gemm` tensors inside an
+    `ep_dispatch_experts` module (which remaps the routes to them), and an expert count the
+    world size divides (transformers' experts kernels run the same count on every rank)."""
+    held = {e.module: e for e in entries if e.style == EP_TENSOR and e.global_shape}
+    for module, style in module_styles.items():
+        if style == EP_MODULE and module not in held:
+            errors.add(
+                "incomplete_expert_parallel",
+                module,
+                f"{module}: {EP_MODULE} needs its stacked expert tensors placed {EP_TENSOR} "
+                "(whole experts per rank); use --experts ep (experts='ep'), which places both",
+            )
+    for module, e in held.items():
+        if module_styles.get(module) != EP_MODULE:
+            errors.add(
+                "incomplete_expert_parallel",
+                module,
+                f"{e.name}: {EP_TENSOR} places whole experts per rank, which only a module "
+                f"styled {EP_MODULE} runs (it remaps the routes); use --experts ep "
+                "(experts='ep'), which places both",
+            )
+            continue
+        n = e.global_shape[0]
+        if n % world_size:
+            works = ", ".join(str(w) for w in range(1, n + 1) if n % w == 0)
+            errors.add(
+                "uneven_experts",
+                module,
+                f"{module}: {n} experts cannot be split evenly over {world_size} ranks (expert "
+                f"parallelism holds whole experts, the same number on every rank); world sizes "
+                f"that work: {works}",
+            )

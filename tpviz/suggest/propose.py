@@ -1,0 +1,285 @@
+"""Suggested TP plans: candidates from the model's dataflow, kept only where simulated ranks
+reproduce the unsharded logits.
+
+The candidates, in forward order, each a unit with styles to try in turn:
+
+- an embedding: `embedding_rowwise` (by vocabulary);
+- a col/row pair (dataflow.py): `colwise` + `rowwise` (Megatron: one all-reduce), then
+  `packed_colwise` + `rowwise` (fused [gate; up] that the forward splits in two), then
+  `colwise_gather_output` + `rowwise_split_input` (each weight sharded, every activation the
+  model sees whole: for forward code that cannot run on a rank's features);
+- any other Linear (the LM head): `colwise_gather_output` (by output features).
+
+A unit's styles are tried on top of the units already kept: resolved for the source (so head
+alignment, per-head parameters and tied tensors are checked as for any plan) and for a small
+random instance of the model (its config with at most CHECK_LAYERS layers), which then runs on
+simulated ranks (simulate.py) against itself run whole. The first that resolves without
+errors and matches is kept; a unit none of whose styles does stays replicated, with the
+reasons. Modules sharing a tensor (a tied embedding and head) are one unit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..models import build_skeleton, get_adapter, prompt_ids, read_config
+from ..plan import ResolvedPlan, resolve_plan
+from .dataflow import trace
+from .simulate import run_ranks
+
+PAIR_STYLES = (
+    ("colwise", "rowwise"),
+    ("packed_colwise", "rowwise"),
+    ("colwise_gather_output", "rowwise_split_input"),
+)
+TOLERANCE = 1e-4  # relative to the largest logit; the instance runs in float32
+
+
+@dataclass
+class Decision:
+    """What the suggestion does with one unit of modules (patterns) and why."""
+
+    kind: str  # "embedding", "pair" or "linear"
+    patterns: list[str]
+    styles: dict[str, str]  # pattern -> style kept; empty: replicated
+    tried: list[str] = field(default_factory=list)  # why each refused style set failed
+
+
+@dataclass
+class Suggestion:
+    """A suggested plan (`plan`, the `{pattern: style}` that `--plan` accepts), resolved for
+    the source, with each unit's decision and how much of the decoder layers it shards."""
+
+    plan: dict[str, str]
+    resolved: ResolvedPlan
+    decisions: list[Decision]
+    layers: str  # the decoder layers' prefix, e.g. "model.layers."
+    max_abs_diff: float  # simulated ranks against the whole instance
+    tolerance: float
+
+    @property
+    def decoder_bytes(self) -> int:
+        return sum(e.nbytes for e in self.resolved.params if e.name.startswith(self.layers))
+
+    @property
+    def decoder_sharded_bytes(self) -> int:
+        return sum(
+            e.nbytes
+            for e in self.resolved.params
+            if e.name.startswith(self.layers) and e.placement != "replicate"
+        )
+
+    @property
+    def decoder_share(self) -> float:
+        return self.decoder_sharded_bytes / self.decoder_bytes if self.decoder_bytes else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plan file (`tp_plan`) with the reasoning beside it (ignored by `--plan`)."""
+        return {
+            "tp_plan": self.plan,
+            "suggestion": {
+                "world_size": self.resolved.world_size,
+                "decoder_layers": self.layers.rstrip("."),
+                "decoder_bytes": self.decoder_bytes,
+                "decoder_sharded_bytes": self.decoder_sharded_bytes,
+                "decoder_share": round(self.decoder_share, 4),
+                "simulated_max_abs_diff": self.max_abs_diff,
+                "tolerance": self.tolerance,
+                "decisions": [asdict(d) for d in self.decisions],
+            },
+        }
+
+
+def suggest_plan(
+    source: str | os.PathLike,
+    world_size: int,
+    model: str | None = None,
+    dtype: str | None = None,
+) -> Suggestion:
+    """Suggest a TP plan for the model at `source` (a checkpoint or config.json directory)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    instance, run = _instance(read_config(source), model, source)
+    with torch.inference_mode():
+        reference = run(instance)
+    proof = _Proof(
+        instance,
+        run,
+        reference,
+        TOLERANCE * max(1.0, reference.abs().max().item()),
+        world_size,
+        lambda patterns: resolve_plan(source, world_size, patterns, dtype=dtype, model=model),
+    )
+    kept: dict[str, str] = {}
+    decisions, diff = [], 0.0
+    for unit in _units(instance, run):
+        kind = "+".join(dict.fromkeys(kind for kind, _, _ in unit))
+        decision = Decision(kind, [n for _, cols, rows in unit for n in cols + rows], {})
+        for styles in _style_sets(unit):
+            trial = {**kept, **styles}
+            why, d = proof.check(trial)
+            if why is None:
+                kept, decision.styles, diff = trial, styles, d
+                break
+            decision.tried.append(f"{', '.join(sorted(set(styles.values())))}: {why}")
+        decisions.append(decision)
+    decisions += _not_candidates(instance, {p for d in decisions for p in d.patterns})
+    resolved = proof.resolve(kept)
+    return Suggestion(kept, resolved, decisions, _layers_prefix(instance), diff, proof.tolerance)
+
+
+@dataclass
+class _Proof:
+    """Checks a candidate plan: it resolves for the source (`resolve`) without errors, and
+    its simulated ranks reproduce the instance's `reference` logits."""
+
+    instance: nn.Module
+    run: Callable[[nn.Module], torch.Tensor]
+    reference: torch.Tensor
+    tolerance: float
+    world_size: int
+    resolve: Callable[[dict[str, str]], ResolvedPlan]  # for the source itself
+
+    def check(self, patterns: dict[str, str]) -> tuple[str | None, float]:
+        """(None, max |diff|) when proven; else (the reason, nan)."""
+        for plan in (
+            self.resolve(patterns),
+            resolve_plan(self.instance, self.world_size, patterns),
+        ):
+            if plan.errors:
+                return f"{plan.errors[0].code}: {plan.errors[0].message}", float("nan")
+        try:
+            outs = run_ranks(self.instance, plan, self.run)
+        except Exception as e:  # noqa: BLE001 - the module code failing on a rank's tensors
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return f"a rank's forward fails ({type(e).__name__}: {first})", float("nan")
+        diff = max((o - self.reference).abs().max().item() for o in outs)
+        if not diff <= self.tolerance:
+            return f"the ranks' logits differ from the whole model's by {diff:.3g}", diff
+        return None, diff
+
+
+Unit = list[tuple[str, list[str], list[str]]]  # parts: (kind, cols, rows), all tried together
+
+
+def _units(instance: nn.Module, run: Callable) -> list[Unit]:
+    """Every candidate unit as patterns, in forward order, each once. Modules that share a
+    tensor (a tied embedding and head) are one unit: they must be placed alike."""
+    flow = trace(instance, run)
+    parts = [
+        ("embedding", [n], []) for n, m in instance.named_modules() if isinstance(m, nn.Embedding)
+    ]
+    parts += [("pair", cols, rows) for cols, rows in flow.pairs(instance)]
+    paired = {n for kind, cols, rows in parts for n in cols + rows}
+    parts += [("linear", [n], []) for n in flow.sources if n not in paired]
+    units: list[Unit] = []
+    owner: dict[int, Unit] = {}  # parameter id -> the unit holding it
+    for part in parts:
+        tensors = {id(p) for n in part[1] + part[2] for p in instance.get_submodule(n).parameters()}
+        joined = next((owner[t] for t in tensors if t in owner), None)
+        if joined is None:
+            joined = []
+            units.append(joined)
+        joined.append(part)
+        owner.update(dict.fromkeys(tensors, joined))
+    seen: set[str] = set()
+    unique = []
+    for unit in units:
+        named = [(kind, _patterns(cols), _patterns(rows)) for kind, cols, rows in unit]
+        names = {n for _, cols, rows in named for n in cols + rows}
+        if not seen & names:
+            unique.append(named)
+            seen |= names
+    return unique
+
+
+def _not_candidates(instance: nn.Module, covered: set[str]) -> list[Decision]:
+    """The other modules holding tensors (norms, Conv1D, stacked experts), replicated."""
+    found: dict[str, Decision] = {}
+    for name, module in instance.named_modules():
+        (pattern,) = _patterns([name])
+        if pattern in covered or pattern in found or not list(module.parameters(recurse=False)):
+            continue
+        why = f"{type(module).__name__} is not an nn.Linear or nn.Embedding, the modules cut here"
+        found[pattern] = Decision("other", [pattern], {}, [why])
+    return list(found.values())
+
+
+def _patterns(names: list[str]) -> list[str]:
+    return [re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n in names]
+
+
+def _style_sets(unit: Unit) -> list[dict[str, str]]:
+    """Each part's styles to try; a unit of several parts tries their combinations."""
+    options = []
+    for kind, cols, rows in unit:
+        if kind == "embedding":
+            options.append([{cols[0]: "embedding_rowwise"}])
+        elif kind == "linear":
+            options.append([{cols[0]: "colwise_gather_output"}])
+        else:
+            options.append(
+                [{**dict.fromkeys(cols, c), **dict.fromkeys(rows, r)} for c, r in PAIR_STYLES]
+            )
+    return [{k: v for d in combo for k, v in d.items()} for combo in itertools.product(*options)]
+
+
+def _layers_prefix(model: nn.Module) -> str:
+    """The ModuleList holding the most parameters: the decoder layers."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return ""
+    name, _ = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+    return f"{name}."
+
+
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+CHECK_LAYERS = 2  # layers of the checking instance: enough for one layer to feed the next
+MAX_INSTANCE_BYTES = 2 << 30
+
+
+def _instance(
+    config: dict[str, Any], model: str | None, source: str | os.PathLike
+) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """A real float32 instance of the model with at most CHECK_LAYERS layers, random weights
+    (constant ones, such as norms, made distinct), and the forward of the fixed prompt."""
+    small = _fewer_layers(config)
+    adapter = get_adapter(small, model, source)
+    size = sum(p.numel() * 4 for p in build_skeleton(adapter, small).parameters())
+    if size > MAX_INSTANCE_BYTES:
+        raise ValueError(
+            f"{source}: a {CHECK_LAYERS}-layer float32 instance of this model takes "
+            f"{size / 2**30:.1f} GiB, more than the {MAX_INSTANCE_BYTES >> 30} GiB a suggestion "
+            "checks in one process; suggest on a config with smaller dims (same architecture), "
+            "then resolve that plan for the full model"
+        )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        instance = build_skeleton(adapter, small, device="cpu").float()
+        with torch.no_grad():
+            for p in instance.parameters():
+                if p.numel() > 1 and bool((p == p.flatten()[0]).all()):
+                    p.add_(torch.randn_like(p) * 0.1)
+    ids = prompt_ids(adapter, small)
+    return instance, lambda m: adapter.logits(m, ids).float()
+
+
+def _fewer_layers(config: dict[str, Any]) -> dict[str, Any]:
+    """The config with at most CHECK_LAYERS layers (per-layer lists cut to match)."""
+    out = dict(config)
+    for key in LAYER_KEYS:
+        layers = out.get(key)
+        if isinstance(layers, int) and layers > CHECK_LAYERS:
+            out[key] = CHECK_LAYERS
+            for k, v in config.items():
+                if isinstance(v, list) and len(v) == layers:
+                    out[k] = v[:CHECK_LAYERS]
+    return out

@@ -1,0 +1,144 @@
+"""A resolved plan run on simulated ranks: one thread per rank, in one process.
+
+Each rank gets a copy of a real (small, random) instance holding only its blocks of every
+tensor, exactly as the plan's `ranks` say, and the collectives of each module's style
+(`forward` of tpviz.styles) happen between the threads: a rowwise output summed over the
+ranks with its bias added once, a gathered output concatenated, a split input cut to the
+rank's columns, an embedding looked up in the rank's rows only. The module code itself runs
+unchanged on local tensors, as on real ranks: forward code that reshapes by a head-count
+attribute, or normalises over features the plan cut, fails or differs here as it would there.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..chunks import Block
+from ..plan import ResolvedPlan, TensorPlan
+from ..styles import REPLICATE, STYLES
+
+BARRIER_SECONDS = 60.0  # liveness bound: a rank that never reaches a collective fails the run
+
+
+class _Collective:
+    """Exchange of one tensor per rank between the rank threads."""
+
+    def __init__(self, world_size: int):
+        self.barrier = threading.Barrier(world_size, timeout=BARRIER_SECONDS)
+        self.slots: list[torch.Tensor | None] = [None] * world_size
+
+    def exchange(self, rank: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = tensor
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()  # no rank refills its slot before every rank has read them
+        return got
+
+    def all_reduce(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.exchange(rank, tensor)).sum(0)  # rank order: same on all
+
+    def all_gather(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.exchange(rank, tensor), dim=-1)
+
+
+def _local(full: torch.Tensor, blocks: list[Block]) -> torch.Tensor:
+    """The rank's blocks of `full`, laid out along the dim they cut (packed parts)."""
+    parts = [full[tuple(slice(o, o + s) for o, s in zip(b.offset, b.shape))] for b in blocks]
+    if not parts:
+        return full.new_empty((0, *full.shape[1:]))
+    cut = [d for d in range(full.dim()) if blocks[0].shape[d] != full.shape[d]]
+    return torch.cat(parts, dim=cut[0] if cut else 0).clone()
+
+
+def _entries(plan: ResolvedPlan) -> dict[str, TensorPlan]:
+    """Every tensor name (tied aliases too) -> its entry."""
+    found = {}
+    for e in plan.params:
+        for name in (e.name, *e.tied_to):
+            found[name] = e
+    return found
+
+
+def _rank_copy(model: nn.Module, entries: dict[str, TensorPlan], rank: int) -> nn.Module:
+    local = copy.deepcopy(model)
+    for name, p in local.named_parameters():
+        e = entries.get(name)
+        if e is not None and e.placement != REPLICATE:
+            p.data = _local(p.data, e.ranks[rank].blocks)
+    return local
+
+
+def _install(module: nn.Module, style_name: str, weight: TensorPlan, rank: int, c: _Collective):
+    """Hooks doing what the style's forward placements do around the module."""
+    style = STYLES[style_name]
+    blocks = weight.ranks[rank].blocks
+    if isinstance(module, nn.Embedding):
+        lo = blocks[0].offset[0] if blocks else 0
+        hi = lo + (blocks[0].shape[0] if blocks else 0)
+
+        def lookup(mod, inputs):
+            ids = inputs[0]
+            mod._tpviz_outside = (ids < lo) | (ids >= hi)
+            return (torch.where(mod._tpviz_outside, 0, ids - lo), *inputs[1:])
+
+        def masked_sum(mod, inputs, out):
+            return c.all_reduce(rank, out.masked_fill(mod._tpviz_outside[..., None], 0))
+
+        module.register_forward_pre_hook(lookup)
+        module.register_forward_hook(masked_sum)
+    elif style.weight_dim == 1:
+        if style.forward.input == REPLICATE:  # split a replicated input to the rank's columns
+            lo = blocks[0].offset[1] if blocks else 0
+            n = blocks[0].shape[1] if blocks else 0
+            module.register_forward_pre_hook(lambda m, a: (a[0][..., lo : lo + n], *a[1:]))
+
+        def summed(mod, inputs, out):
+            bias = mod.bias if mod.bias is not None else 0
+            return c.all_reduce(rank, out - bias) + bias
+
+        module.register_forward_hook(summed)
+    elif style.forward.output == REPLICATE:
+        module.register_forward_hook(lambda m, a, out: c.all_gather(rank, out))
+
+
+def run_ranks(
+    model: nn.Module, plan: ResolvedPlan, run: Callable[[nn.Module], torch.Tensor]
+) -> list[torch.Tensor]:
+    """`run` on every simulated rank of `plan` (resolved against `model`); each rank's result.
+    Raises the first rank's error."""
+    entries = _entries(plan)
+    collective = _Collective(plan.world_size)
+    copies = []
+    for rank in range(plan.world_size):
+        local = _rank_copy(model, entries, rank)
+        for mod_name, style_name in plan.module_styles.items():
+            forward = STYLES[style_name].forward
+            if forward is not None and forward.on_dtensors:
+                weight = entries[f"{mod_name}.weight"]
+                _install(local.get_submodule(mod_name), style_name, weight, rank, collective)
+        copies.append(local)
+    results: list[torch.Tensor | None] = [None] * plan.world_size
+    errors: list[BaseException | None] = [None] * plan.world_size
+
+    def work(rank: int) -> None:
+        try:
+            with torch.inference_mode():
+                results[rank] = run(copies[rank])
+        except BaseException as e:  # noqa: BLE001 - reported to the caller below
+            errors[rank] = e
+            collective.barrier.abort()  # the others stop at their next collective
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(plan.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next((e for e in errors if e and not isinstance(e, threading.BrokenBarrierError)), None)
+    if first or any(errors):
+        raise first or next(e for e in errors if e)
+    return results
