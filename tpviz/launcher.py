@@ -35,6 +35,7 @@ __all__ = [
     "check_memory",
     "compare",
     "launch",
+    "load_next",
 ]
 
 
@@ -187,6 +188,24 @@ def _reload(args: dict[str, Any], job: LoadJob, changes: dict[str, Any]) -> Load
         if stale:  # a resolved plan is for one source and dtype: resolve the model's default
             changes = {**changes, "plan": None}
     return _start({**args, **changes}, warm=job)
+
+
+def load_next(
+    previous: LoadJob | None,
+    source: str | os.PathLike,
+    world_size: int,
+    plan: dict | str | os.PathLike | ResolvedPlan | None = None,
+    device: str = "cpu",
+    **kwargs: Any,
+) -> LoadJob:
+    """The load after `previous`: on its ranks, warm (`reload`), when it is loaded with the
+    same world size and device; otherwise `previous` is shut down and new ranks start."""
+    if previous is not None and previous.state == "loaded":
+        if (previous.plan.world_size, previous.device) == (world_size, device):
+            return previous.reload(source=source, plan=plan, **kwargs)
+    if previous is not None:
+        previous.shutdown()
+    return launch(source, world_size, plan, device=device, **kwargs)
 
 
 def compare(

@@ -16,7 +16,7 @@ import torch
 
 from ..choices import TARGET_DTYPES
 from ..format import human_bytes, verdict
-from ..launcher import LoadError, LoadJob, launch
+from ..launcher import LoadError, LoadJob, load_next
 from ..models.demo import PRESETS, cache_dir, demo_checkpoint
 from ..plan import STRATEGIES, ResolvedPlan, load_plan_patterns, resolve_plan
 from ..report import html_page, load_parts, plan_parts
@@ -29,10 +29,9 @@ from .plan_view import PlanView, issues_html
 class Dashboard(widgets.VBox):
     """One widget to choose, resolve, load and compare: `tpviz.Dashboard()`.
 
-    Each Load runs on the previous job's ranks when they fit (warm), else on new ones, and
-    adds its memory lines to the shared chart, labelled by strategy, so strategies compare at
-    a glance. `load()` and `wait()` do from code what
-    the Load button does.
+    Each Load runs on the previous job's ranks when they fit (warm), and adds its memory
+    lines to the shared chart, labelled by strategy, so strategies compare at a glance.
+    `load()` and `wait()` do from code what the Load button does.
     """
 
     def __init__(
@@ -290,8 +289,15 @@ class Dashboard(widgets.VBox):
         if self.profile.value:
             profile_dir = self.cache / "profiles" / f"{strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
         try:
-            job = self._next_job(
-                plan, strategy=strategy, verify=self.verify.value, profile_dir=profile_dir
+            job = load_next(  # on the previous job's ranks when they fit: warm
+                self.job,
+                plan.source,
+                plan.world_size,
+                plan,
+                strategy=strategy,
+                device=self.device.value,
+                verify=self.verify.value,
+                profile_dir=profile_dir,
             )
         except (ValueError, LoadError) as e:
             self.status.value = _error_html(str(e))
@@ -308,23 +314,6 @@ class Dashboard(widgets.VBox):
         self.status.value = escape(f"loading with {label}{where}")
         monitor.on_finish(self._on_finished)
         return monitor
-
-    def _next_job(self, plan: ResolvedPlan, **options: Any) -> LoadJob:
-        """The next load: on the previous job's ranks, warm, when they are loaded with the
-        same world size and device (no new processes); else on new ranks."""
-        old, device = self.job, self.device.value
-        if (
-            old is not None
-            and old.state == "loaded"
-            and old.plan.world_size == plan.world_size
-            and old.device == device
-        ):
-            job = old.reload(source=plan.source, plan=plan, **options)
-        else:
-            self.shutdown()
-            job = launch(plan.source, plan.world_size, plan, device=device, **options)
-        self.job = job
-        return job
 
     def wait(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait for the latest load; its result (or its error raised)."""
