@@ -27,9 +27,7 @@ from .models import get_adapter, read_config
 from .plan import ResolvedPlan
 from .processes import Ranks
 from .results import LoadResult
-from .runtime.loader import LoadOptions
-from .runtime.verify import compare_logits, fixed_prompt
-from .runtime.worker import WorkerSpec
+from .runtime.options import LoadOptions, WorkerSpec
 from .token_ids import check_token_ids
 from .tracking import ProgressTracker, RankProgress
 
@@ -342,6 +340,8 @@ class LoadJob:
     def verify(self) -> dict[str, Any]:
         """Logits of the fixed prompt from the sharded model against a single-process model
         built from the same checkpoint (or the same seed); stored in `result["verify"]`."""
+        from .runtime.verify import compare_logits, fixed_prompt  # the ranks' imports: on use
+
         ids = fixed_prompt(self.plan)
         report = compare_logits(self.plan, self.options, ids, self.forward(ids))
         self.result.verify = report

@@ -23,7 +23,7 @@ from .job import HEARTBEAT_TIMEOUT, LoadError, LoadJob, MemoryForecastError
 from .outputs import check_output_dir
 from .plan import ResolvedPlan, forecast, resolve_plan
 from .results import LoadResult, add_ratios
-from .runtime.loader import LoadOptions
+from .runtime.options import LoadOptions
 from .strategies import STRATEGIES
 
 __all__ = [

@@ -20,7 +20,6 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -29,22 +28,11 @@ import torch.distributed as dist
 
 from ..events import Error, Phase, RankPhase
 from ..messages import Command, CommandName, Reply
-from ..plan import ResolvedPlan
 from .channel import Channel
 from .executor import LoadFailure
-from .loader import LoadOptions, ShardedModel, load_in_group, rank_device
+from .loader import ShardedModel, load_in_group, rank_device
+from .options import WorkerSpec
 from .sink import EventSink
-
-
-@dataclass
-class WorkerSpec:
-    plan: ResolvedPlan
-    options: LoadOptions
-    device: str
-    rendezvous: str  # file rendezvous path in the launcher's private temp dir
-    threads: int
-    timeout: float  # process-group timeout, seconds
-    events_dir: str | None = None
 
 
 def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
