@@ -64,7 +64,7 @@ def test_load_human_output_and_a_failing_load_exits_1(tmp_path, tiny, cli):
     assert "rank0_broadcast on 2 cpu rank(s)" in result.stdout
     assert "peak RSS +" in result.stdout and "mmap" in result.stdout
     assert "rank 1: loaded" in result.stderr  # progress, shown as lines off a terminal
-    timed_out = cli("load", str(tiny), "--world-size", "2", "--timeout", "0.2", "--json")
+    timed_out = cli("load", str(tiny), "--world-size", "2", "--timeout", "0.001", "--json")
     assert timed_out.returncode == 1
     assert "timeout" in json.loads(timed_out.stdout)["errors"][0]["message"]
 

@@ -28,15 +28,17 @@ PROMPT = 30  # seconds: the generous liveness bound for "promptly"
 
 
 def children() -> list[psutil.Process]:
-    """Live child processes, except the resource tracker that Python's `spawn` start method
-    starts once per process (it lives until this process exits and holds nothing of tpviz)."""
+    """Live child processes, except those multiprocessing starts once per process and that
+    live until it exits, holding nothing of tpviz: the resource tracker, and the forkserver
+    ranks are forked from (our direct child; ranks, its children, share its command line)."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(
-                p.cmdline()
-            ):
-                out.append(p)
+            command = " ".join(p.cmdline())
+            server = "forkserver" in command and p.ppid() == os.getpid()
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in command:
+                if not server:
+                    out.append(p)
         except psutil.NoSuchProcess:
             pass
     return out
@@ -195,7 +197,7 @@ def test_cancel_and_timeout_end_every_rank(tiny):
         job.wait(PROMPT)
     assert job.state == "cancelled" and children() == []
     job.shutdown()
-    with tpviz.launch(tiny, 2, timeout=0.5) as job:
+    with tpviz.launch(tiny, 2, timeout=0.001) as job:  # whole loads now fit in 0.5 s
         with pytest.raises(tpviz.LoadError, match="timeout"):
             job.wait(PROMPT)
     assert children() == []
@@ -237,6 +239,10 @@ def test_ranks_listen_on_loopback_only(tiny):
             ]
         assert listening, "gloo should have listeners to check"
         assert set(listening) <= {"127.0.0.1", "::1"}
+        # the forkserver the ranks came from has run no torch op: one thread, no OpenMP or
+        # intra-op pool that a fork would copy half-alive
+        server = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+        assert len(server) == 1 and server[0].num_threads() == 1
 
 
 def test_memory_forecast_refuses_what_cannot_fit_this_machine(tmp_path):
@@ -276,3 +282,27 @@ def test_a_script_without_the_main_guard_gets_the_message_alone(tmp_path, tiny):
     # the script's own short traceback, not one per rank from multiprocessing's bootstrap
     assert "spawn_main" not in run.stderr and "bootstrapping" not in run.stderr
     assert len(run.stderr.splitlines()) < 15, run.stderr
+
+
+@pytest.mark.slow
+def test_cancel_during_a_reload_and_a_rank_dying_between_loads(tiny):
+    job = tpviz.launch(tiny, 2)
+    job.wait(120)
+    reloading = job.reload(strategy="replicated")
+    reloading.cancel()
+    with pytest.raises(tpviz.LoadError, match="cancelled"):
+        reloading.wait(PROMPT)
+    assert job.state == "closed" and reloading.state == "cancelled" and children() == []
+    reloading.shutdown()
+
+    job = tpviz.launch(tiny, 2)
+    job.wait(120)
+    os.kill(job._procs[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(tpviz.LoadError, match="rank 1 died") as err:
+        job = job.reload(strategy="rank0_broadcast")  # raises here, or fails its wait
+        job.wait(PROMPT)
+    assert "SIGKILL" in str(err.value) and "between loads" in str(err.value)
+    assert time.monotonic() - start < PROMPT
+    job.shutdown()
+    assert children() == []

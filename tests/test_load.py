@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import collections
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import tpviz
 from tpviz.events import Done, Memory, Phase, UnitDone, UnitStart
+from tpviz.job import RSS_MARGIN_BYTES
 from tpviz.launcher import LoadJob
 from tpviz.messages import Beat
 from tpviz.models import FIXED_PROMPT
 from tpviz.plan import resolve_plan
+from tpviz.strategies import STRATEGIES
 
 pytestmark = pytest.mark.slow
 
@@ -243,21 +246,72 @@ def test_a_thousand_modules_do_not_flood_the_caller(checkpoints, monkeypatch):
         assert messages < len(job.events) / 10
 
 
-def test_bfloat16_reads_through_a_staging_buffer_of_one_slice(tiny):
+def test_commands_before_loading_are_refused(tiny):
+    with tpviz.launch(tiny, 2) as job:
+        with pytest.raises(tpviz.LoadError, match="commands need a loaded model"):
+            job.shard_report()
+        job.wait(120)
+
+
+# --- warm ranks: loads after the first run on the same processes ---------------------------
+
+
+@pytest.fixture(scope="module")
+def warm(tiny):
+    """Ranks kept warm across tests: each test loads on them with `warm.job.reload(...)`."""
+    box = SimpleNamespace(job=tpviz.launch(tiny, 2, timeout=120))
+    box.job.wait(120)
+    box.pids = [p.pid for p in box.job._procs]
+    box.first = box.job.result
+    yield box
+    box.job.shutdown()
+
+
+def all_shards(model):
+    """Runs on every rank: every local tensor, as held."""
+    from tpviz.runtime.parallelize import local_of
+
+    return {n: local_of(t).clone() for n, t in model.state_dict(keep_vars=True).items()}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_reload_gives_a_fresh_load_s_shards_and_memory_figures(warm, job2, strategy):
+    fresh = job2.call(all_shards)  # job2: a fresh sliced load of the same checkpoint
+    previous = warm.job
+    warm.job = previous.reload(strategy=strategy)
+    result = warm.job.wait(120)
+    assert previous.state == "closed" and previous.result is not None
+    assert [p.pid for p in warm.job._procs] == warm.pids  # no new processes
+    assert result["strategy"] == strategy and result["plan_matches_shards"]
+    assert 0 < result["startup_seconds"] < result["startup_seconds"] + result["load_seconds"]
+    held = warm.job.call(all_shards)
+    for rank in (0, 1):
+        assert held[rank].keys() == fresh[rank].keys()
+        assert all(torch.equal(held[rank][n], t) for n, t in fresh[rank].items())
+    for rank, (now, first) in enumerate(zip(result.ranks, warm.first.ranks)):
+        # released: the baseline is back at the first load's, within the stated margin
+        assert abs(now.rss_baseline_bytes - first.rss_baseline_bytes) <= RSS_MARGIN_BYTES
+        assert now.param_bytes == first.param_bytes == job2.plan.per_rank_bytes[rank]
+        assert now.peak_tensor_bytes == now.forecast_peak_bytes
+        assert now.peak_rss_bytes >= now.param_bytes // 2  # fresh pages again, not reused
+    assert not [w for w in result["warnings"] if w["code"] == "rss_not_released"]
+
+
+def test_reload_in_bfloat16_reads_through_a_staging_buffer_of_one_slice(warm, tiny):
+    with pytest.raises(ValueError, match="keeps the ranks' world_size"):
+        warm.job.reload(world_size=3)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        warm.job.reload(strategy="nope")
+    assert warm.job.state == "loaded"  # bad input leaves the loaded job as it was
     plan = resolve_plan(tiny, 2, dtype="bfloat16")
-    with tpviz.launch(tiny, 2, plan, verify=True) as job:
-        result = job.wait(120)
-    assert result["verify"]["ok"] and result["verify"]["tolerance"] == 5e-2
+    warm.job = warm.job.reload(strategy="sliced", dtype="bfloat16", verify=True)
+    result = warm.job.wait(120)
+    assert result["dtype"] == "bfloat16" and result["verify"]["ok"]
+    assert result["verify"]["tolerance"] == 5e-2
+    assert [p.pid for p in warm.job._procs] == warm.pids
     for rank in result["ranks"]:
         assert rank["param_bytes"] == plan.per_rank_bytes[rank["rank"]]
         assert rank["peak_tensor_bytes"] == rank["forecast_peak_bytes"]
         assert rank["param_bytes"] < rank["peak_tensor_bytes"]
         largest = max(t.source_nbytes(t.ranks[rank["rank"]].bytes // 2) for t in plan.params)
         assert rank["peak_tensor_bytes"] <= rank["param_bytes"] + largest
-
-
-def test_commands_before_loading_are_refused(tiny):
-    with tpviz.launch(tiny, 2) as job:
-        with pytest.raises(tpviz.LoadError, match="commands need a loaded model"):
-            job.shard_report()
-        job.wait(120)

@@ -50,6 +50,11 @@ class CommandChannel:
         finally:
             self.running = None
 
+    def reload(self, spec: Any) -> None:
+        """Send every (loaded, idle) rank the next load's WorkerSpec; its events answer."""
+        with contextlib.suppress(OSError):  # a dead rank: the pump reports it
+            self._ranks.send_all(Command(CommandName.RELOAD, next(self._ids), (spec,)))
+
     def shutdown(self) -> None:
         """Ask every rank to leave its command loop."""
         with contextlib.suppress(OSError):

@@ -27,13 +27,14 @@ from .models import get_adapter, read_config
 from .plan import ResolvedPlan
 from .processes import Ranks
 from .results import LoadResult
-from .runtime.loader import LoadOptions
-from .runtime.verify import compare_logits, fixed_prompt
-from .runtime.worker import WorkerSpec
+from .runtime.options import LoadOptions, WorkerSpec
 from .token_ids import check_token_ids
 from .tracking import ProgressTracker, RankProgress
 
 HEARTBEAT_TIMEOUT = 30.0  # seconds of silence after which a rank counts as frozen
+# How far above its first load's baseline a warm rank's resident set may stay after releasing
+# the previous model before the result says so (allocator and import residue is a few MiB).
+RSS_MARGIN_BYTES = 16 * 2**20
 
 
 class LoadError(RuntimeError):
@@ -67,7 +68,10 @@ class MemoryForecastError(LoadError):
 
 
 class LoadJob:
-    """A running (or finished) load. Use it as a context manager, or call `shutdown()`."""
+    """A running (or finished) load. Use it as a context manager, or call `shutdown()`.
+
+    `reload(...)` loads again on the same ranks (warm: no new processes) and returns the next
+    job; this one hands its ranks over and closes."""
 
     def __init__(
         self,
@@ -78,7 +82,12 @@ class LoadJob:
         verify: bool = False,
         events_dir: str | os.PathLike | None = None,
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+        *,
+        warm: Ranks | None = None,
+        relaunch: Callable[..., LoadJob] | None = None,
     ):
+        """`warm`: the ranks of a loaded job to load on (from `_hand_over`) instead of new
+        ones; `relaunch(job, **changes)` starts the next load on this job's ranks."""
         self.plan = plan
         self.options = options
         self.device = device
@@ -90,18 +99,25 @@ class LoadJob:
         self.tracker = ProgressTracker(plan)
         self._log = EventLog()
         self._cond = threading.Condition()
-        self._started = time.time()
+        self.started = time.time()  # the launch (or reload) request: startup counts from it
         self._timeout = timeout
         self._deadline = time.monotonic() + timeout if timeout else None
-        self._last_heard = [time.monotonic()] * plan.world_size
+        # silence counts from the pump's first check once the processes exist
+        self._last_heard: list[float | None] = [None] * plan.world_size
         self._vocab: int | None = None  # read from config.json on the first forward
-        self._ranks = ranks = Ranks()
+        self._relaunch = relaunch
+        self._warm = warm is not None
+        self._ranks = ranks = warm or Ranks()
         self._procs = ranks.procs
         self._commands = CommandChannel(ranks, plan.world_size, self._cond)
         # at collection or interpreter exit: end the ranks, remove the temp dir
         self._finalizer = weakref.finalize(self, ranks.request_close)
-        ranks.start(plan.world_size, self._spec(events_dir), beat=min(1.0, heartbeat_timeout / 4))
-        ranks.start_pump(self)
+        spec = self._spec(events_dir)
+        if warm is None:
+            ranks.start(plan.world_size, spec, min(1.0, heartbeat_timeout / 4), self)
+        else:
+            ranks.listen(self)
+            self._commands.reload(spec)
 
     def _spec(self, events_dir: str | os.PathLike | None) -> WorkerSpec:
         world = self.plan.world_size
@@ -165,7 +181,7 @@ class LoadJob:
             if proc.exitcode is not None:
                 progress = self.progress[rank]
                 loading = self.state is JobState.STARTING
-                message = death_message(rank, proc.exitcode, progress, loading)
+                message = death_message(rank, proc.exitcode, progress, loading, self._warm)
                 self._log.append([Error(rank, time.time(), message=message)])
                 self._fail(LoadError(message, rank, progress.module))
                 return
@@ -176,6 +192,8 @@ class LoadJob:
             return
         now = time.monotonic()
         for rank, heard in enumerate(self._last_heard):
+            if heard is None:
+                self._last_heard[rank] = heard = now
             if now - heard > self.heartbeat_timeout:
                 progress = self.progress[rank]
                 message = silence_message(rank, now - heard, progress, self._commands.running)
@@ -201,15 +219,37 @@ class LoadJob:
             device=self.device,
             init=self.options.init,
             profile_dir=self.options.profile_dir,
-            started=self._started,
+            started=self.started,
             startup_marks=[p.startup_marks() for p in self.progress.values()],
         )
+        self._check_released()
         if self.verify_requested:
             threading.Thread(
                 target=self._verify_then_ready, name="tpviz-verify", daemon=True
             ).start()
         else:
             self._set_state(JobState.LOADED)
+
+    def _check_released(self) -> None:
+        """On warm ranks: say so in the result if a rank's resident set before loading stayed
+        above its first load's by more than RSS_MARGIN_BYTES (its growth figures would then
+        count less than a fresh rank's)."""
+        first = self._ranks.first_baselines
+        if first is None:
+            self._ranks.first_baselines = [r.rss_baseline_bytes for r in self.result.ranks]
+            return
+        for rank, before in enumerate(first):
+            above = self.result.ranks[rank].rss_baseline_bytes - before
+            if above > RSS_MARGIN_BYTES:
+                self.result.warnings.append(
+                    {
+                        "code": "rss_not_released",
+                        "name": f"rank {rank}",
+                        "message": f"rank {rank} started this load {above / 2**20:.0f} MiB "
+                        "above its first load's resident set (margin "
+                        f"{RSS_MARGIN_BYTES / 2**20:.0f} MiB): its RSS growth may read low",
+                    }
+                )
 
     def _verify_then_ready(self) -> None:
         try:
@@ -300,12 +340,37 @@ class LoadJob:
     def verify(self) -> dict[str, Any]:
         """Logits of the fixed prompt from the sharded model against a single-process model
         built from the same checkpoint (or the same seed); stored in `result["verify"]`."""
+        from .runtime.verify import compare_logits, fixed_prompt  # the ranks' imports: on use
+
         ids = fixed_prompt(self.plan)
         report = compare_logits(self.plan, self.options, ids, self.forward(ids))
         self.result.verify = report
         return report
 
     # --- lifetime ---------------------------------------------------------------------------
+
+    def reload(self, **changes: Any) -> LoadJob:
+        """Load again on this job's ranks, without new processes: `changes` are `launch()`'s
+        arguments to change (source, plan, strategy, dtype, init, seed, verify, timeout,
+        events_dir, ...); the world size and device stay. Each rank frees the previous model
+        first. Returns the new job at once; this one closes (its result stays)."""
+        if self._relaunch is None:
+            raise LoadError("this job cannot reload: start it with tpviz.launch")
+        return self._relaunch(self, **changes)
+
+    def _hand_over(self) -> Ranks:
+        """Give the loaded ranks to the next job (`reload`); this job closes without ending
+        them."""
+        with self._cond:
+            if self.error is not None:  # e.g. a rank that died since loading: say which
+                raise self.error
+            if self.state is not JobState.LOADED:
+                raise LoadError(f"the job is {self.state}; a reload needs a loaded job")
+            self.state = JobState.CLOSED
+            self._cond.notify_all()
+        self._finalizer.detach()
+        self._log.append([Phase(LAUNCHER_RANK, time.time(), name=JobState.CLOSED)])
+        return self._ranks
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the ranks and release everything; safe to call more than once."""

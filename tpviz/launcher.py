@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -22,7 +23,7 @@ from .job import HEARTBEAT_TIMEOUT, LoadError, LoadJob, MemoryForecastError
 from .outputs import check_output_dir
 from .plan import ResolvedPlan, forecast, resolve_plan
 from .results import LoadResult, add_ratios
-from .runtime.loader import LoadOptions
+from .runtime.options import LoadOptions
 from .strategies import STRATEGIES
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "check_memory",
     "compare",
     "launch",
+    "load_next",
 ]
 
 
@@ -123,16 +125,23 @@ def launch(
     to shutdown: long-running `forward` or `call` commands are bounded only by it.
     `kv_replication=False` refuses world sizes past the key-value heads (see `resolve_plan`)."""
     _end_rank_running_an_unguarded_script()
-    _check_seconds("timeout", timeout)
-    _check_seconds("heartbeat_timeout", heartbeat_timeout)
+    return _start(dict(locals()), warm=None)
+
+
+def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
+    """Check a request (`launch()`'s arguments) and start its job: on new ranks, or on those
+    of the loaded job `warm`, which hands them over only once the request is found valid."""
+    a = SimpleNamespace(**args)
+    _check_seconds("timeout", a.timeout)
+    _check_seconds("heartbeat_timeout", a.heartbeat_timeout)
     resolved = resolve_plan(
-        source,
-        world_size,
-        plan,
-        dtype=dtype,
-        model=model,
-        kv_replication=kv_replication,
-        experts=experts,
+        a.source,
+        a.world_size,
+        a.plan,
+        dtype=a.dtype,
+        model=a.model,
+        kv_replication=a.kv_replication,
+        experts=a.experts,
     )
     resolved.raise_for_errors()
     if resolved.source is None:
@@ -140,24 +149,63 @@ def launch(
             "a plan resolved from an in-memory module cannot be launched; pass a "
             "checkpoint directory"
         )
-    _check_device(device, world_size)
+    _check_device(a.device, a.world_size)
+    events_dir, profile_dir = a.events_dir, a.profile_dir
     if events_dir:
         events_dir = check_output_dir(events_dir, "events dir", resolved.source)
     if profile_dir:
         profile_dir = check_output_dir(profile_dir, "profile dir", resolved.source)
-    options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
+    options = LoadOptions(a.strategy, a.init, a.seed, a.memory_hz, profile_dir, a.profile_forward)
     options.validate(resolved)
-    if not force:
-        check_memory(resolved, strategy, device, options.init)
+    if not a.force:
+        check_memory(resolved, a.strategy, a.device, options.init)
     return LoadJob(
         resolved,
         options,
-        device=device,
-        timeout=timeout,
-        verify=verify,
+        device=a.device,
+        timeout=a.timeout,
+        verify=a.verify,
         events_dir=events_dir,
-        heartbeat_timeout=heartbeat_timeout,
+        heartbeat_timeout=a.heartbeat_timeout,
+        warm=warm._hand_over() if warm is not None else None,
+        relaunch=lambda job, **changes: _reload(args, job, changes),
     )
+
+
+def _reload(args: dict[str, Any], job: LoadJob, changes: dict[str, Any]) -> LoadJob:
+    """The next load on `job`'s ranks: `args` (the request that started it) with `changes`."""
+    unknown = sorted(set(changes) - set(args))
+    if unknown:
+        raise TypeError(f"reload() got unexpected arguments: {', '.join(unknown)}")
+    for fixed in ("world_size", "device", "heartbeat_timeout"):
+        if fixed in changes and changes[fixed] != args[fixed]:
+            raise ValueError(
+                f"a reload keeps the ranks' {fixed} ({args[fixed]!r}); launch a new job to "
+                f"change it"
+            )
+    if isinstance(args["plan"], ResolvedPlan) and "plan" not in changes:
+        stale = {"source", "dtype", "model", "kv_replication", "experts"} & set(changes)
+        if stale:  # a resolved plan is for one source and dtype: resolve the model's default
+            changes = {**changes, "plan": None}
+    return _start({**args, **changes}, warm=job)
+
+
+def load_next(
+    previous: LoadJob | None,
+    source: str | os.PathLike,
+    world_size: int,
+    plan: dict | str | os.PathLike | ResolvedPlan | None = None,
+    device: str = "cpu",
+    **kwargs: Any,
+) -> LoadJob:
+    """The load after `previous`: on its ranks, warm (`reload`), when it is loaded with the
+    same world size and device; otherwise `previous` is shut down and new ranks start."""
+    if previous is not None and previous.state == "loaded":
+        if (previous.plan.world_size, previous.device) == (world_size, device):
+            return previous.reload(source=source, plan=plan, **kwargs)
+    if previous is not None:
+        previous.shutdown()
+    return launch(source, world_size, plan, device=device, **kwargs)
 
 
 def compare(
@@ -168,8 +216,9 @@ def compare(
     follow: Callable[[LoadJob], LoadResult] | None = None,
     **launch_kwargs: Any,
 ) -> list[LoadResult]:
-    """Load with each strategy in turn (one job at a time) and return the results, each with
-    `ratio_to_sliced`. `follow(job)` waits for a job (e.g. drawing progress); default `wait`."""
+    """Load with each strategy in turn on the same ranks (each after the first a reload) and
+    return the results, each with `ratio_to_sliced`. `follow(job)` waits for a job (e.g.
+    drawing progress); default `wait`."""
     resolved = resolve_plan(
         source,
         world_size,
@@ -179,8 +228,16 @@ def compare(
         kv_replication=launch_kwargs.pop("kv_replication", True),
         experts=launch_kwargs.pop("experts", None),
     )
-    results = []
-    for strategy in strategies:
-        with launch(source, world_size, resolved, strategy=strategy, **launch_kwargs) as job:
+    results: list[LoadResult] = []
+    job = None
+    try:
+        for strategy in strategies:  # the first on new ranks, the others on the same, warm
+            if job is None:
+                job = launch(source, world_size, resolved, strategy=strategy, **launch_kwargs)
+            else:
+                job = job.reload(strategy=strategy)
             results.append(follow(job) if follow else job.wait())
+    finally:
+        if job is not None:
+            job.shutdown()
     return add_ratios(results)

@@ -12,15 +12,18 @@ UNGUARDED_SCRIPT = (
 )
 
 
-def death_message(rank: int, exitcode: int, progress: RankProgress, loading: bool) -> str:
-    """A rank's process ended with `exitcode` (negative: the signal) before the job did."""
+def death_message(
+    rank: int, exitcode: int, progress: RankProgress, loading: bool, warm: bool = False
+) -> str:
+    """A rank's process ended with `exitcode` (negative: the signal) before the job did;
+    `warm`: the rank had loaded before (a reload), so it did start."""
     how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
     if exitcode == -9:
         how += " (SIGKILL)"
     where = progress.module
     doing = f" while loading {where}" if where and loading else ""
     if not progress.phase_times:
-        doing = UNGUARDED_SCRIPT
+        doing = " between loads" if warm else UNGUARDED_SCRIPT
     return f"rank {rank} died ({how}){doing}"
 
 

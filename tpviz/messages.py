@@ -17,6 +17,7 @@ class CommandName(StrEnum):
     SHARD_REPORT = "shard_report"
     CALL = "call"
     SHUTDOWN = "shutdown"
+    RELOAD = "reload"  # args: the next load's WorkerSpec; answered by that load's events
 
 
 @dataclass(frozen=True, slots=True)

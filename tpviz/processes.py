@@ -9,6 +9,19 @@ It is also the one that closes pipes and processes (`close`); other threads ask 
 The temp dir (`$TMPDIR/tpviz-<pid>-*`: the rendezvous file, and the ranks' own $TMPDIR) is locked
 with `flock` for as long as its launcher lives, so a later launcher can prove a dir stale (its
 lock is free: the owner was killed with SIGKILL) and remove it.
+
+Ranks start from multiprocessing's forkserver with torch and tpviz's rank code preloaded
+(`start_server`): each rank is a fork of a process that has imported them and done nothing
+else, so it pays no import. This is as safe as `spawn` for what fork usually breaks: the
+server is a fresh interpreter (started by exec, not forked from this process, so none of its
+threads, locks, OpenMP pools or CUDA context), preloading only imports modules (no torch op
+runs there, so no intra-op or OpenMP thread pool exists to be forked, and CUDA is never
+initialised), and its only thread is the one that forks. Each rank still imports the caller's
+`__main__` as spawn does (hence the `__main__` guard), gets the caller's current environment,
+and watches its pipe to this process rather than its parent (the server), see heartbeat.py.
+The server's socket lives in multiprocessing's temp dir (`$TMPDIR/pymp-*`), which tpviz locks
+like its own: removed at interpreter exit, or as stale by the next launcher if this process
+was killed.
 """
 
 from __future__ import annotations
@@ -22,6 +35,9 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from multiprocessing import forkserver
+from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
@@ -30,13 +46,18 @@ from .runtime.heartbeat import boot
 TERMINATE_GRACE_SECONDS = 3.0
 PREFIX = "tpviz-"
 LOCK = "owner.lock"
+MP_PREFIX = "pymp-"  # multiprocessing's temp dir: ours to remove when it holds our lock
+# what the forkserver imports before it forks ranks: torch, torch.distributed and the rank code
+PRELOAD = ["tpviz.runtime.worker", "torch._dynamo"]
+_server_lock = threading.Lock()
+_server_started = False
 
 
 def remove_stale_workdirs() -> None:
     """Remove tpviz temp dirs whose owner is gone: only those whose lock can be taken."""
     root = tempfile.gettempdir()
     try:
-        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+        names = [n for n in os.listdir(root) if n.startswith((PREFIX, MP_PREFIX))]
     except OSError:
         return
     for name in names:
@@ -52,6 +73,35 @@ def remove_stale_workdirs() -> None:
             pass  # its launcher is alive
         finally:
             os.close(fd)
+
+
+def start_server() -> mp.context.BaseContext:
+    """Start the forkserver ranks are forked from (once per process; at once, so that its
+    imports overlap the caller's own work), and return its context."""
+    global _server_started
+    ctx = mp.get_context("forkserver")
+    with _server_lock:
+        if _server_started:
+            return ctx
+        ctx.set_forkserver_preload(PRELOAD)
+        # multiprocessing's temp dir holds the server's socket (a path of at most ~107 bytes,
+        # so nothing is nested deeper): it removes it at exit; locked like a workdir, the next
+        # launcher removes it if this process was killed. The server's own temp files (torch's
+        # inductor cache dir) go there too.
+        path = mp_util.get_temp_dir()
+        fd = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held (fd open) for as long as this process lives
+        saved = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = path
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = saved
+        _server_started = True
+    return ctx
 
 
 class Listener(Protocol):
@@ -77,32 +127,45 @@ class Ranks:
         self.conns: list[Connection] = []
         self.stop = threading.Event()
         self.pump: threading.Thread | None = None
+        self.listener: weakref.ref[Listener] | None = None  # the job the ranks now serve
+        self.first_baselines: list[int] | None = None  # each rank's RSS before its first load
         self.grace = 0.0  # seconds the ranks get to exit by themselves once asked to stop
         self._send_lock = threading.Lock()
         self._closed = False
 
-    def start(self, world: int, spec: Any, beat: float) -> None:
-        """Spawn `world` ranks running `spec` (a WorkerSpec), each with its own pipe."""
-        ctx = mp.get_context("spawn")
+    def start(self, world: int, spec: Any, beat: float, listener: Listener) -> None:
+        """Start `world` ranks running `spec` (a WorkerSpec), each with its own pipe, and the
+        pump that serves `listener`. The pump starts the processes, so this returns at once
+        even while the forkserver is still importing (a rank is forked only after that)."""
+        ctx = start_server()
         payload = pickle.dumps(spec)
-        for rank in range(world):
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(
-                target=boot,
-                args=(rank, payload, child_end, os.getpid(), beat, self.workdir),
-                name=f"tpviz-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            child_end.close()
-            self.procs.append(proc)
-            self.conns.append(parent_end)
+        environ = dict(os.environ)  # now, not when the server started
 
-    def start_pump(self, listener: Listener) -> None:
+        def start_ranks() -> None:
+            for rank in range(world):
+                if self.stop.is_set():  # cancelled meanwhile
+                    return
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=boot,
+                    args=(rank, payload, child_end, environ, beat, self.workdir),
+                    name=f"tpviz-rank{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                child_end.close()
+                self.procs.append(proc)
+                self.conns.append(parent_end)
+
+        self.listen(listener)
         self.pump = threading.Thread(
-            target=_pump, args=(weakref.ref(listener), self), name="tpviz-pump", daemon=True
+            target=_pump, args=(self, start_ranks), name="tpviz-pump", daemon=True
         )
         self.pump.start()
+
+    def listen(self, listener: Listener) -> None:
+        """Hand what the pump reads to `listener` from now on (warm ranks' next job)."""
+        self.listener = weakref.ref(listener)
 
     def send_all(self, message: Any) -> bool:
         """Send to every rank; False once closed. OSError if a rank's pipe broke."""
@@ -152,18 +215,15 @@ class Ranks:
             self._lock_fd = None
 
 
-def _pump(ref: weakref.ref[Listener], ranks: Ranks) -> None:
-    """Multiplex the ranks' pipes and sentinels until asked to stop, then close them all (the
-    pump is their one owner)."""
+def _pump(ranks: Ranks, start_ranks: Callable[[], None]) -> None:
+    """Start the ranks, multiplex their pipes and sentinels until asked to stop, then close
+    them all (the pump is their one owner)."""
     try:
-        while not ranks.stop.is_set():
-            listener = ref()
-            if listener is None:
-                return
-            _pump_once(listener, ranks)
-            del listener
+        start_ranks()
+        while not ranks.stop.is_set() and _pump_once(ranks):
+            pass
     except Exception as e:
-        listener = ref()
+        listener = ranks.listener()
         if listener is not None:
             listener._pump_failed(e)
         raise
@@ -171,9 +231,16 @@ def _pump(ref: weakref.ref[Listener], ranks: Ranks) -> None:
         ranks.close()
 
 
-def _pump_once(listener: Listener, ranks: Ranks) -> None:
+def _pump_once(ranks: Ranks) -> bool:
+    """Hand what is ready to the listener; False once the listener is gone (collected)."""
     conns = ranks.conns
     ready = wait(conns + [p.sentinel for p in ranks.procs], timeout=0.1)
+    # Taken after the wait: a message ready now was sent before a later switch of listener
+    # (`listen` happens before the next job's reload is sent), and one message is read per
+    # pipe, so each goes to the job it belongs to.
+    listener = ranks.listener()
+    if listener is None:
+        return False
     for item in ready:
         if item in conns:
             rank = conns.index(item)
@@ -184,3 +251,4 @@ def _pump_once(listener: Listener, ranks: Ranks) -> None:
                 continue  # the rank ended; its sentinel says how
             listener._handle(rank, message)
     listener._check()
+    return True

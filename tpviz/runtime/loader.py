@@ -10,7 +10,7 @@ import contextlib
 import os
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from ..strategies import STRATEGIES, Ledger, forecast
 from ..strategies.reads import fill_part
 from .executor import LoadContext, LoadFailure
 from .memory import MemorySampler, PeakRss
+from .options import LoadOptions
 from .parallelize import apply_styles, leftover_meta, local_of, lookup, shard_report
 from .reference import FullModel, plan_skeleton
 from .sink import EventSink
@@ -38,38 +39,6 @@ SLICED_INIT_NOTE = (
     "sliced draws each shard on its own rank, so its shards cannot equal a single-process "
     "draw with the same seed; only replicated tensors are checked (they agree across ranks)"
 )
-
-
-@dataclass
-class LoadOptions:
-    strategy: str = "sliced"
-    init: str = "checkpoint"  # or "random"
-    seed: int = 0
-    memory_hz: float = 20.0
-    profile_dir: str | None = None
-    profile_forward: bool = False  # also profile one forward of the fixed prompt
-    # rank -> seed offset: lets a test make one rank diverge; deliberately not a launch() argument
-    seed_skew: dict[int, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.profile_dir = str(self.profile_dir) if self.profile_dir else None
-        self.seed_skew = dict(self.seed_skew or {})
-
-    def validate(self, plan: ResolvedPlan) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(
-                f"unknown strategy {self.strategy!r} (choose from {', '.join(STRATEGIES)})"
-            )
-        if self.init not in ("checkpoint", "random"):
-            raise ValueError(f"init must be 'checkpoint' or 'random', not {self.init!r}")
-        if self.init == "checkpoint" and not plan.has_weights:
-            # say what was there and why it is not read, not only that nothing was
-            found = [w.message for w in plan.warnings if w.code == "unused_weights"]
-            what = "; ".join(found) if found else "config.json only"
-            raise ValueError(
-                f"{plan.source} holds no weights tpviz can load ({what}); pass init='random' "
-                "(CLI: --init random --seed N) to initialise instead"
-            )
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 from ..checkpoint import Checkpoint
 from ..models import get_adapter, prompt_ids, read_config
 from ..plan import ResolvedPlan
-from .loader import LoadOptions
+from .options import LoadOptions
 from .reference import FullModel
 
 SLICED_RANDOM_NOTE = "sliced random init cannot match a single-process draw"

@@ -1,19 +1,25 @@
-"""The entry point of a rank spawned by `tpviz.launch`, and its command loop after loading.
+"""The entry point of a rank started by `tpviz.launch`, and its command loop after loading.
 
-It lives in tpviz (never in `__main__`) so that spawning works from a Jupyter kernel. Each rank
-talks to the launcher over one duplex pipe: events, replies and heartbeats go up, commands come
-down. The process starts in runtime/heartbeat.py, which also ends the rank within a fraction of
-a second if the launcher process dies.
+It lives in tpviz (never in `__main__`) so that starting ranks works from a Jupyter kernel. Each
+rank talks to the launcher over one duplex pipe: events, replies and heartbeats go up, commands
+come down. The process starts in runtime/heartbeat.py, which also ends the rank within a
+fraction of a second if the launcher process dies.
+
+A loaded rank stays warm: a `reload` command brings the next load's spec, and the rank frees the
+previous model (and returns its memory to the system) before loading again in the same process
+group, so the next load's memory baseline means what a fresh rank's does.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import importlib
 import os
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -22,22 +28,11 @@ import torch.distributed as dist
 
 from ..events import Error, Phase, RankPhase
 from ..messages import Command, CommandName, Reply
-from ..plan import ResolvedPlan
 from .channel import Channel
 from .executor import LoadFailure
-from .loader import LoadOptions, ShardedModel, load_in_group, rank_device
+from .loader import ShardedModel, load_in_group, rank_device
+from .options import WorkerSpec
 from .sink import EventSink
-
-
-@dataclass
-class WorkerSpec:
-    plan: ResolvedPlan
-    options: LoadOptions
-    device: str
-    rendezvous: str  # file rendezvous path in the launcher's private temp dir
-    threads: int
-    timeout: float  # process-group timeout, seconds
-    events_dir: str | None = None
 
 
 def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
@@ -61,9 +56,17 @@ def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
             world_size=world,
             timeout=timedelta(seconds=spec.timeout),
         )
-        loaded = load_in_group(spec.plan, spec.options, sink, device)
-        sink.flush()
-        _serve(loaded, channel)
+        while True:
+            loaded = load_in_group(spec.plan, spec.options, sink, device)
+            sink.flush()
+            spec = _serve(loaded, channel)
+            if spec is None:
+                break
+            del loaded  # the previous model, before the next one is built
+            sink.close()
+            release_memory(device)
+            sink = EventSink(rank, channel.send, spec.events_dir)
+            sink.emit(Phase(rank, time.time(), name=RankPhase.STARTING))
     except BaseException as e:  # report, then leave at once: peers may be stuck in collectives
         module = e.module if isinstance(e, LoadFailure) else None
         file = e.file if isinstance(e, LoadFailure) else getattr(e, "file", None)
@@ -89,15 +92,32 @@ def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
         os._exit(1)
 
 
-def _serve(loaded: ShardedModel, channel: Channel) -> None:
+def release_memory(device: torch.device) -> None:
+    """Free what the previous model left: cycles, the CUDA cache, and the C heap's free pages.
+    glibc keeps freed heap memory (and raises its mmap threshold after large frees), so
+    without a trim the next load would reuse resident pages and report less growth."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    libc = ctypes.util.find_library("c")
+    if libc:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:  # glibc only
+            trim(0)
+
+
+def _serve(loaded: ShardedModel, channel: Channel) -> WorkerSpec | None:
+    """Run commands on the loaded model; the next load's spec on `reload`, None on shutdown."""
     while True:
         try:
             command: Command = channel.recv()
         except (EOFError, OSError):
-            return
+            return None
         if command.name is CommandName.SHUTDOWN:
             channel.send(Reply(command.command_id, True, None))
-            return
+            return None
+        if command.name is CommandName.RELOAD:
+            return command.args[0]
         channel.send(_run_command(loaded, command))
 
 

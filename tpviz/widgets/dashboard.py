@@ -16,7 +16,7 @@ import torch
 
 from ..choices import TARGET_DTYPES
 from ..format import human_bytes, verdict
-from ..launcher import LoadError, LoadJob, launch
+from ..launcher import LoadError, LoadJob, load_next
 from ..models.demo import PRESETS, cache_dir, demo_checkpoint
 from ..plan import STRATEGIES, ResolvedPlan, load_plan_patterns, resolve_plan
 from ..report import html_page, load_parts, plan_parts
@@ -29,9 +29,9 @@ from .plan_view import PlanView, issues_html
 class Dashboard(widgets.VBox):
     """One widget to choose, resolve, load and compare: `tpviz.Dashboard()`.
 
-    Each Load closes the previous job and adds its memory lines to the shared chart, labelled
-    by strategy, so strategies compare at a glance. `load()` and `wait()` do from code what
-    the Load button does.
+    Each Load runs on the previous job's ranks when they fit (warm), and adds its memory
+    lines to the shared chart, labelled by strategy, so strategies compare at a glance.
+    `load()` and `wait()` do from code what the Load button does.
     """
 
     def __init__(
@@ -284,13 +284,13 @@ class Dashboard(widgets.VBox):
         if reason:
             self.status.value = _error_html(reason)
             return None
-        self.shutdown()
         strategy = self.strategy.value
         profile_dir = None
         if self.profile.value:
             profile_dir = self.cache / "profiles" / f"{strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
         try:
-            job = launch(
+            job = load_next(  # on the previous job's ranks when they fit: warm
+                self.job,
                 plan.source,
                 plan.world_size,
                 plan,

@@ -21,6 +21,7 @@ from ..events import Done, Event, JobState, JsonlTail
 from ..format import human_bytes
 from ..launcher import LoadError, LoadJob
 from ..plan import ResolvedPlan
+from ..progress import rank_startup, startup_text
 from ..report import html_page, load_parts, plan_parts
 from ..results import LoadResult, RankResult, slowest_load
 from ..tracking import ProgressTracker
@@ -97,6 +98,14 @@ class MemoryChart:
 
     def _on_measure(self, _change: dict[str, Any]) -> None:
         self.redraw()
+
+    def note(self, text: str) -> None:
+        """Text across the plot (a load's startup, while its lines are still empty)."""
+        with self.lock:
+            shown = self.figure.layout.annotations
+            if (shown[0].text if shown else "") != text:
+                note = dict(text=text, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False)
+                self.figure.layout.annotations = [note] if text else []
 
 
 class LoadMonitor(widgets.VBox):
@@ -327,6 +336,8 @@ class LoadMonitor(widgets.VBox):
         job = self.job
         seconds = time.time() - self._started
         ranks = self.tracker.ranks
+        if job is not None:
+            ranks = job.progress  # the job also knows when it first heard each rank
         if state is JobState.FAILED:
             text = f"failed: {self._error()}"
         elif state is JobState.CANCELLED:
@@ -338,9 +349,17 @@ class LoadMonitor(widgets.VBox):
                 text += f" (job {state})"
         elif state is JobState.VERIFYING:
             text = "verifying the sharded model against a single-process reference ..."
+        elif ranks and any(rank_startup(p) for p in ranks.values()):
+            started = job.started if job is not None else self._started
+            startup = startup_text(ranks, started, time.time())
+            self.chart.note(f"{self.label}: {startup}")
+            doing = ", ".join(f"rank {r} {rank_startup(ranks[r]) or 'ready'}" for r in ranks)
+            text = f"{self.label}: {startup} ({doing})"
         else:
             phases = ", ".join(f"rank {r} {ranks[r].phase}" for r in sorted(ranks))
             text = f"{self.label}: {phases or 'waiting for ranks'} ({seconds:.1f} s)"
+        if state is not JobState.STARTING or not any(rank_startup(p) for p in ranks.values()):
+            self.chart.note("")  # the lines tell the rest
         self.status.value = f'<div class="tpviz-status {state}">{escape(text)}</div>'
 
     def _finish(self, state: JobState) -> None:

@@ -1,0 +1,55 @@
+"""What a load is asked to do: its options, and a rank's whole spec.
+
+Light on purpose (no torch.distributed.tensor, no model code): the launcher builds these, and
+a CLI process that only starts ranks should not pay the ranks' imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..plan import ResolvedPlan
+from ..strategies import STRATEGIES
+
+
+@dataclass
+class LoadOptions:
+    strategy: str = "sliced"
+    init: str = "checkpoint"  # or "random"
+    seed: int = 0
+    memory_hz: float = 20.0
+    profile_dir: str | None = None
+    profile_forward: bool = False  # also profile one forward of the fixed prompt
+    # rank -> seed offset: lets a test make one rank diverge; deliberately not a launch() argument
+    seed_skew: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.profile_dir = str(self.profile_dir) if self.profile_dir else None
+        self.seed_skew = dict(self.seed_skew or {})
+
+    def validate(self, plan: ResolvedPlan) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"unknown strategy {self.strategy!r} (choose from {', '.join(STRATEGIES)})"
+            )
+        if self.init not in ("checkpoint", "random"):
+            raise ValueError(f"init must be 'checkpoint' or 'random', not {self.init!r}")
+        if self.init == "checkpoint" and not plan.has_weights:
+            # say what was there and why it is not read, not only that nothing was
+            found = [w.message for w in plan.warnings if w.code == "unused_weights"]
+            what = "; ".join(found) if found else "config.json only"
+            raise ValueError(
+                f"{plan.source} holds no weights tpviz can load ({what}); pass init='random' "
+                "(CLI: --init random --seed N) to initialise instead"
+            )
+
+
+@dataclass
+class WorkerSpec:
+    plan: ResolvedPlan
+    options: LoadOptions
+    device: str
+    rendezvous: str  # file rendezvous path in the launcher's private temp dir
+    threads: int
+    timeout: float  # process-group timeout, seconds
+    events_dir: str | None = None
