@@ -47,8 +47,10 @@ TERMINATE_GRACE_SECONDS = 3.0
 PREFIX = "tpviz-"
 LOCK = "owner.lock"
 MP_PREFIX = "pymp-"  # multiprocessing's temp dir: ours to remove when it holds our lock
-# what the forkserver imports before it forks ranks: torch, torch.distributed and the rank code
-PRELOAD = ["tpviz.runtime.worker", "torch._dynamo"]
+# what the forkserver imports before it forks ranks: torch, torch.distributed and the rank code.
+# Not torch._dynamo: about a second more on every cold start's critical path, and a load never
+# imports it (parallelize builds DTensors directly); a rank's first forward does.
+PRELOAD = ["tpviz.runtime.worker"]
 _server_lock = threading.Lock()
 _server_started = False
 
