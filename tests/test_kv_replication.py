@@ -126,6 +126,10 @@ def test_plan_view_past_the_kv_heads_draws_the_ranks_that_share_a_head(tiny):
     assert "held whole by 2 ranks" in view.block_figure.layout.title.text
     fresh = figures.representative_tensor(view.plan.params)
     assert fresh.groups == 4
+    # a plan resolved without replication keeps that choice when the view resolves it again
+    strict = tpviz.PlanView(tpviz.resolve_plan(tiny, 4, kv_replication=False))
+    strict.world_size.value = 8
+    assert [e.code for e in strict.plan.errors] == ["head_alignment"]
 
 
 def rank_tensors(model: torch.nn.Module, names: list[str]) -> dict:

@@ -199,6 +199,7 @@ def _resolve(
     plan = _plan(found, walk, world_size, target, patterns, issues)
     plan.local_kv_groups = kv_groups
     plan.experts = experts
+    plan.kv_replication = kv_replication
     return plan
 
 

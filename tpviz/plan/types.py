@@ -101,6 +101,7 @@ class ResolvedPlan:
     # heads are replicated (its `num_key_value_groups` on the ranks)
     local_kv_groups: dict[str, int] = field(default_factory=dict)
     experts: str = "tp"  # mixture-of-experts layout: "tp" (cut by the plan) or "ep" (whole)
+    kv_replication: bool = True  # as resolved: key-value heads replicated past their count
 
     def tensor(self, name: str) -> TensorPlan:
         if not hasattr(self, "_by_name"):

@@ -248,6 +248,7 @@ class PlanView(widgets.VBox):
                 dtype=self.plan.dtype,
                 model=self.plan.model,
                 experts=self.plan.experts,
+                kv_replication=self.plan.kv_replication,
             )
         except (ValueError, OSError) as e:
             self.issues.value = issues_html(None, f"cannot resolve for {size} rank(s): {e}")
