@@ -151,6 +151,10 @@ def test_demo_loads_at_eight_ranks_each_reading_its_groups_head(tiny):
     with tpviz.launch(tiny, 8, plan, verify=True, force=True) as job:
         result = job.wait(300)
         held = job.call(rank_tensors, [K_PROJ])
+        # random init on the same ranks: the copies of each shared head must agree
+        with job.reload(init="random") as drawn:
+            random_check = drawn.wait(300).init_check
+    assert random_check["ok"] and random_check["replicated_consistent"]
     assert result.verify["ok"] and result.verify["max_abs_diff"] <= 1e-4
     assert result.plan_matches_shards
     assert [r.param_bytes for r in result.ranks] == plan.per_rank_bytes

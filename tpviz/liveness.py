@@ -24,6 +24,8 @@ def death_message(
     doing = f" while loading {where}" if where and loading else ""
     if not progress.phase_times:
         doing = " between loads" if warm else UNGUARDED_SCRIPT
+    elif not loading:
+        doing = " after loading"
     return f"rank {rank} died ({how}){doing}"
 
 

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError
 from ..events import Done, Phase, RankPhase
 from ..models import ModelAdapter, get_adapter, prompt_ids, read_config
-from ..plan import ResolvedPlan, resolve_plan
+from ..plan import ResolvedPlan, TensorPlan, resolve_plan
 from ..plan.resolve import SourceModel, resolve_and_keep
 from ..profiling import PHASE_PREFIX, rank_profiler
 from ..results import RankResult
@@ -237,15 +237,22 @@ def _checksum(tensor: torch.Tensor) -> int:
 
 
 def check_random_init(ctx: LoadContext, options: LoadOptions, config: dict) -> dict[str, Any]:
-    """Do the ranks hold one consistent model? Replicated tensors must agree across ranks;
-    for replicated and rank0_broadcast the gathered tensors must equal a single-process
-    initialisation with the same seed (streamed unit by unit through rank 0)."""
+    """Do the ranks hold one consistent model? Copies must agree: a replicated tensor across
+    all ranks, a `shard(D, groups=G)` chunk across the ranks that share it; for replicated and
+    rank0_broadcast the gathered tensors must equal a single-process initialisation with the
+    same seed (streamed unit by unit through rank 0)."""
     plan = ctx.plan
-    replicated = [t for t in plan.params if t.origin == "checkpoint" and t.shard_dim is None]
-    mine = [_checksum(local_of(lookup(ctx.model, t.name))) for t in replicated]
+    copied = [
+        t
+        for t in plan.params
+        if t.origin == "checkpoint" and (t.shard_dim is None or t.groups is not None)
+    ]
+    mine = [_checksum(local_of(lookup(ctx.model, t.name))) for t in copied]
     every: list[list[int]] = [None] * plan.world_size  # type: ignore[list-item]
     dist.all_gather_object(every, mine)
-    inconsistent = [t.name for i, t in enumerate(replicated) if len({c[i] for c in every}) > 1]
+    inconsistent = [
+        t.name for i, t in enumerate(copied) if _copies_differ(t, [c[i] for c in every])
+    ]
     report: dict[str, Any] = {
         "seed": options.seed,
         "strategy": options.strategy,
@@ -259,6 +266,15 @@ def check_random_init(ctx: LoadContext, options: LoadOptions, config: dict) -> d
         report.update(matches_single_process=not mismatched, mismatched=mismatched[:20])
     report["ok"] = not inconsistent and not report["mismatched"]
     return report
+
+
+def _copies_differ(tensor: TensorPlan, checksums: list[int]) -> bool:
+    """Whether ranks holding the same copy of `tensor` hold different values."""
+    sharing = len(checksums) // (tensor.groups or 1)  # consecutive ranks holding one copy
+    copies: dict[int, set[int]] = {}
+    for rank, checksum in enumerate(checksums):
+        copies.setdefault(rank // sharing, set()).add(checksum)
+    return any(len(values) > 1 for values in copies.values())
 
 
 def _compare_with_single_process(ctx: LoadContext, config: dict, seed: int) -> list[str]:
