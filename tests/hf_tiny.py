@@ -11,3 +11,19 @@ TINY_DIMS = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+
+def save_tiny(config, path, seed: int):
+    """Build transformers' model for `config` from `seed`, its norms moved away from one (so a
+    misplaced row shows), and save it in several files; returns `path`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path, max_shard_size="300KB")
+    return path

@@ -16,7 +16,7 @@ import tpviz
 from tpviz import cli
 from tpviz.models import FIXED_PROMPT
 
-from .hf_tiny import TINY_DIMS
+from .hf_tiny import TINY_DIMS, save_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,14 +84,8 @@ def arch_checkpoint(tmp_path_factory):
 
     def get(name: str):
         if name not in built:
-            torch.manual_seed(sorted(ARCHS).index(name))
-            model = transformers.AutoModelForCausalLM.from_config(make_config(name))
-            with torch.no_grad():  # norms away from one, so a misplaced row shows
-                for n, p in model.named_parameters():
-                    if "norm" in n:
-                        p.add_(0.1 * torch.randn_like(p))
-            model.save_pretrained(root / name, max_shard_size="300KB")
-            built[name] = root / name
+            seed = sorted(ARCHS).index(name)
+            built[name] = save_tiny(make_config(name), root / name, seed)
         return built[name]
 
     return get

@@ -69,11 +69,22 @@ TP_PLANS = {
 TP_PLANS["qwen3_moe_stacked"] = TP_PLANS["qwen3_moe"]
 
 
-def config_of(name: str):
-    model_type, overrides = MODELS[name]
+def config_of(name: str, models: dict = MODELS):
+    model_type, overrides = models[name]
     return transformers.AutoConfig.for_model(
         model_type, **{**DIMS, "num_experts_per_tok": 2, **overrides}
     )
+
+
+def save_models(root, models: dict = MODELS) -> dict:
+    """name -> checkpoint directory, written by the model class in several files."""
+    out = {}
+    for i, name in enumerate(models):
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(config_of(name, models))
+        model.save_pretrained(root / name, max_shard_size="300KB")
+        out[name] = root / name
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +92,7 @@ def moe(tmp_path_factory):
     """name -> checkpoint directory, saved per expert in several files; `qwen3_moe_stacked`
     holds the same weights as `qwen3_moe` under the stacked names the model class uses."""
     root = tmp_path_factory.mktemp("moe")
-    out = {}
-    for i, name in enumerate(MODELS):
-        torch.manual_seed(i)
-        model = transformers.AutoModelForCausalLM.from_config(config_of(name))
-        model.save_pretrained(root / name, max_shard_size="300KB")
-        out[name] = root / name
+    out = save_models(root)
     stacked = root / "qwen3_moe_stacked"
     model = transformers.AutoModelForCausalLM.from_pretrained(out["qwen3_moe"])
     model.config.save_pretrained(stacked)

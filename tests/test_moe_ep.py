@@ -20,7 +20,15 @@ from tpviz.keymap import pieces
 from tpviz.models import FIXED_PROMPT
 
 from .moe_configs import DEEPSEEK_V3, MIXTRAL_8X7B, config_dir
-from .test_moe import DIMS, EXPERTS, EXPERTS_TP, MODELS, TP_PLANS, transformers_logits
+from .test_moe import (
+    EXPERTS,
+    EXPERTS_TP,
+    MODELS,
+    TP_PLANS,
+    config_of,
+    save_models,
+    transformers_logits,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,24 +88,10 @@ TP = {
 MOE_LAYER = {"deepseek_v3": 1}  # the first layer with experts (DeepSeek's layer 0 is dense)
 
 
-def config_of(name: str):
-    model_type, overrides = ALL[name]
-    return transformers.AutoConfig.for_model(
-        model_type, **{**DIMS, "num_experts_per_tok": 2, **overrides}
-    )
-
-
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     """name -> checkpoint directory, written by the model class in several files."""
-    root = tmp_path_factory.mktemp("moe_ep")
-    out = {}
-    for i, name in enumerate(ALL):
-        torch.manual_seed(i)
-        model = transformers.AutoModelForCausalLM.from_config(config_of(name))
-        model.save_pretrained(root / name, max_shard_size="300KB")
-        out[name] = root / name
-    return out
+    return save_models(tmp_path_factory.mktemp("moe_ep"), ALL)
 
 
 def experts_of(name: str) -> str:

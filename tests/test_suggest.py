@@ -20,7 +20,7 @@ import tpviz
 from tpviz import cli
 from tpviz.models.demo import make_checkpoint
 
-from .hf_tiny import TINY_DIMS
+from .hf_tiny import TINY_DIMS, save_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,15 +54,8 @@ def checkpoint(tmp_path_factory):
             built[name] = make_checkpoint(root / name, "tiny")
             return built[name]
         model_type, changes = HF_MODELS[name]
-        torch.manual_seed(len(built))
         config = transformers.AutoConfig.for_model(model_type, **DIMS, **changes)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "norm" in n:
-                    p.add_(0.1 * torch.randn_like(p))
-        model.save_pretrained(root / name, max_shard_size="300KB")
-        built[name] = root / name
+        built[name] = save_tiny(config, root / name, seed=len(built))
         return built[name]
 
     return get
