@@ -55,20 +55,11 @@ def _local(full: torch.Tensor, blocks: list[Block]) -> torch.Tensor:
     return torch.cat(parts, dim=cut[0] if cut else 0).clone()
 
 
-def _entries(plan: ResolvedPlan) -> dict[str, TensorPlan]:
-    """Every tensor name (tied aliases too) -> its entry."""
-    found = {}
-    for e in plan.params:
-        for name in (e.name, *e.tied_to):
-            found[name] = e
-    return found
-
-
-def _rank_copy(model: nn.Module, entries: dict[str, TensorPlan], rank: int) -> nn.Module:
+def _rank_copy(model: nn.Module, plan: ResolvedPlan, rank: int) -> nn.Module:
     local = copy.deepcopy(model)
     for name, p in local.named_parameters():
-        e = entries.get(name)
-        if e is not None and e.placement != REPLICATE:
+        e = plan.tensor(name)  # tied aliases too
+        if e.placement != REPLICATE:
             p.data = _local(p.data, e.ranks[rank].blocks)
     return local
 
@@ -111,15 +102,14 @@ def run_ranks(
 ) -> list[torch.Tensor]:
     """`run` on every simulated rank of `plan` (resolved against `model`); each rank's result.
     Raises the first rank's error."""
-    entries = _entries(plan)
     collective = _Collective(plan.world_size)
     copies = []
     for rank in range(plan.world_size):
-        local = _rank_copy(model, entries, rank)
+        local = _rank_copy(model, plan, rank)
         for mod_name, style_name in plan.module_styles.items():
             forward = STYLES[style_name].forward
             if forward is not None and forward.on_dtensors:
-                weight = entries[f"{mod_name}.weight"]
+                weight = plan.tensor(f"{mod_name}.weight")
                 _install(local.get_submodule(mod_name), style_name, weight, rank, collective)
         copies.append(local)
     results: list[torch.Tensor | None] = [None] * plan.world_size
