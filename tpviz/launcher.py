@@ -232,10 +232,7 @@ def compare(
     job = None
     try:
         for strategy in strategies:  # the first on new ranks, the others on the same, warm
-            if job is None:
-                job = launch(source, world_size, resolved, strategy=strategy, **launch_kwargs)
-            else:
-                job = job.reload(strategy=strategy)
+            job = load_next(job, source, world_size, resolved, strategy=strategy, **launch_kwargs)
             results.append(follow(job) if follow else job.wait())
     finally:
         if job is not None:
