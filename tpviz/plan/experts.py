@@ -47,12 +47,6 @@ def expert_count(config: Mapping[str, Any]) -> int | None:
     return None
 
 
-def _style_name(key: PlanKey | None) -> str | None:
-    if key is None:
-        return None
-    return styles.ALIASES.get(key.style_given, key.style_given)
-
-
 def find_experts(
     skeleton: nn.Module, patterns: Mapping[str, str], count: int | None
 ) -> dict[str, list[str]]:
@@ -64,7 +58,9 @@ def find_experts(
         stacked = [p for p in params.values() if p.dim() >= 3]
         if not stacked:
             continue
-        named = _style_name(compiled.peek(name)) in EXPERT_STYLES
+        key = compiled.peek(name)
+        style = styles.executable(key.style_given) if key else None
+        named = style is not None and style.name in EXPERT_STYLES
         n = stacked[0].shape[0] if named else count
         if n is None or not any(p.shape[0] == n for p in stacked):
             continue

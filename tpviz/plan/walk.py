@@ -101,9 +101,7 @@ class Walk:
         or splits partial outputs (`all_reduce`, `moe_identity_expert`). Other styles on it
         stay unused, as before (their keys are reported unmatched)."""
         key = self.compiled.peek(mod_name)
-        style = (
-            styles.STYLES.get(styles.ALIASES.get(key.style_given, key.style_given)) if key else None
-        )
+        style = styles.executable(key.style_given) if key else None
         if style and style.forward and not style.forward.on_dtensors:
             self.compiled.best(mod_name)  # marks the key used
             self.module_styles[mod_name] = style.name

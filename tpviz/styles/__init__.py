@@ -13,6 +13,7 @@ from .registry import (
     UnknownStyle,
     UnsupportedStyle,
     canonical,
+    executable,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "UnknownStyle",
     "UnsupportedStyle",
     "canonical",
+    "executable",
 ]

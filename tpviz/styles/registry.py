@@ -91,11 +91,17 @@ class UnsupportedStyle(ValueError):
         super().__init__(f"TP style {name!r} is known but tpviz cannot execute it")
 
 
+def executable(name: str) -> Style | None:
+    """The style tpviz executes for a v5 name or v4 alias, or None."""
+    return STYLES.get(ALIASES.get(name, name))
+
+
 def canonical(name: str) -> Style:
     """The style for a v5 name or v4 alias; raises UnknownStyle / UnsupportedStyle."""
+    style = executable(name)
+    if style is not None:
+        return style
     key = ALIASES.get(name, name)
-    if key in STYLES:
-        return STYLES[key]
     if key in UNSUPPORTED:
         raise UnsupportedStyle(name)
     raise UnknownStyle(name)
