@@ -1,12 +1,17 @@
-"""Expert parallelism as a plan: which modules are experts, and the plan keys that place them.
+"""The two expert layouts as plans: which modules are experts, and the keys that place them.
 
-Under `experts="ep"` attention and everything else keep the TP plan; every experts module gets
-`ep_dispatch_experts` and its stacked expert tensors `grouped_gemm` (cut along the expert dim,
-whole experts per rank). An experts module is found from structure, not from model names: a
-module the plan gives an experts style, or one holding a stacked tensor (3-D or more) whose
-first dim is the config's expert count. The keys the TP plan gave the experts (e.g.
-`moe_tp_experts`, `packed_colwise` on `gate_up_proj`) are replaced, so the plan JSON lists the
-keys that were really resolved.
+An experts module is found from structure, not from model names: a module the plan gives an
+experts style, or one holding a stacked tensor (3-D or more) whose first dim is the config's
+expert count.
+
+- `experts="tp"` (the default): every experts module the plan leaves unplaced is cut along
+  its intermediate features (`moe_tp_experts` on the module, `packed_colwise` or `colwise`
+  and `rowwise` on its tensors), keys derived from the module's structure.
+- `experts="ep"`: every experts module gets `ep_dispatch_experts` and its stacked tensors
+  `grouped_gemm` (cut along the expert dim, whole experts per rank); the keys the TP plan gave
+  the experts are replaced. Attention and everything else keep the TP plan.
+
+Either way the plan JSON lists the keys that were really resolved.
 """
 
 from __future__ import annotations
@@ -22,12 +27,10 @@ from .patterns import CompiledPlan, PlanKey
 from .types import TensorPlan
 
 LAYOUTS = ("tp", "ep")
+TP_MODULE = "moe_tp_experts"
 EP_MODULE = "ep_dispatch_experts"
 EP_TENSOR = "grouped_gemm"
-EXPERT_STYLES = {  # the styles that run an experts module
-    "moe_tp_experts",
-    EP_MODULE,
-}
+EXPERT_STYLES = {TP_MODULE, EP_MODULE}  # the styles that run an experts module
 # how configs name the number of routed experts (Mixtral, Qwen/OLMoE, DeepSeek)
 _COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -73,23 +76,70 @@ def expert_parallel_plan(
 ) -> dict[str, str]:
     """The TP plan with every experts module (and its stacked tensors) placed whole-expert."""
     # a key that reaches an experts module, or anything inside it (an identity expert), goes
-    names = []
-    for module in experts:
-        inner = skeleton.get_submodule(module)
-        names += [_join(module, n) for n, _ in inner.named_modules()]
-        names += [_join(module, n) for n, _ in inner.named_parameters()]
-    kept = {}
-    for pattern, style in patterns.items():
-        regex = PlanKey.compile(pattern, str(style)).regex
-        if not any(regex.search(n) for n in names):
-            kept[pattern] = style
+    reached = _keys_reaching(patterns, [n for m in experts for n in _names_in(skeleton, m)])
+    kept = {pattern: style for pattern, style in patterns.items() if pattern not in reached}
     added: dict[str, str] = {}
     for module, leaves in experts.items():
-        wildcard = ".".join("*" if s.isdigit() else s for s in module.split("."))
-        added[wildcard] = EP_MODULE
+        added[_wildcard(module)] = EP_MODULE
         for leaf in leaves:
-            added[f"{wildcard}.{leaf}"] = EP_TENSOR
+            added[f"{_wildcard(module)}.{leaf}"] = EP_TENSOR
     return {**kept, **added}
+
+
+def expert_tensor_parallel_plan(
+    patterns: Mapping[str, str], skeleton: nn.Module, experts: Mapping[str, list[str]]
+) -> dict[str, str]:
+    """The plan with every experts module that no key reaches cut by TP: each rank holds its
+    slice of every expert's intermediate features, as transformers' MoE TP plans cut them
+    (transformers 5.25 dropped those keys from its configs; a plan that places the experts
+    itself, `replicate` included, is kept as given)."""
+    added: dict[str, str] = {}
+    for module, leaves in experts.items():
+        cuts = _intermediate_cuts(skeleton.get_submodule(module), leaves)
+        if not cuts or _keys_reaching(patterns, _names_in(skeleton, module)):
+            continue
+        added[_wildcard(module)] = TP_MODULE
+        for leaf, style in cuts.items():
+            added[f"{_wildcard(module)}.{leaf}"] = style
+    return {**patterns, **added}
+
+
+def _intermediate_cuts(module: nn.Module, leaves: list[str]) -> dict[str, str]:
+    """Leaf -> the style that cuts it along the experts' intermediate features, read from
+    transformers' experts interface (its kernels name the input projection `gate_up_proj` or
+    `up_proj`, the output one `down_proj`, their biases `<name>_bias`, and declare whether
+    gate and up are concatenated or interleaved); empty: not that interface. The output bias
+    stays replicated: the module's rank 0 adds it (see `moe_tp_experts`)."""
+    inputs = [leaf for leaf in ("gate_up_proj", "up_proj") if leaf in leaves]
+    if len(inputs) != 1 or "down_proj" not in leaves:
+        return {}
+    (into,) = inputs
+    # [gate; up] halves are cut part by part; interleaved pairs stay whole in a plain cut
+    packed = into == "gate_up_proj" and getattr(module, "is_concatenated", True) is not False
+    cuts = {into: "packed_colwise" if packed else "colwise", "down_proj": "rowwise"}
+    if f"{into}_bias" in leaves:
+        cuts[f"{into}_bias"] = cuts[into]
+    return cuts
+
+
+def _names_in(skeleton: nn.Module, module: str) -> list[str]:
+    """The module's name, and those of everything inside it."""
+    inner = skeleton.get_submodule(module)
+    names = [_join(module, n) for n, _ in inner.named_modules()]
+    return names + [_join(module, n) for n, _ in inner.named_parameters()]
+
+
+def _keys_reaching(patterns: Mapping[str, str], names: list[str]) -> set[str]:
+    return {
+        pattern
+        for pattern, style in patterns.items()
+        if any(PlanKey.compile(pattern, str(style)).regex.search(n) for n in names)
+    }
+
+
+def _wildcard(module: str) -> str:
+    """The module's name with its layer indices as `*`: one key for every layer."""
+    return ".".join("*" if s.isdigit() else s for s in module.split("."))
 
 
 def _join(module: str, leaf: str) -> str:

@@ -28,6 +28,7 @@ from .experts import (
     check_layout,
     expert_count,
     expert_parallel_plan,
+    expert_tensor_parallel_plan,
     find_experts,
 )
 from .issues import (
@@ -181,6 +182,9 @@ def _resolve(
     issues = PlanIssues()
     if experts == "ep":
         patterns = _expert_parallel(found, patterns, issues)
+    else:
+        moes = find_experts(found.skeleton, patterns, expert_count(found.config))
+        patterns = expert_tensor_parallel_plan(patterns, found.skeleton, moes)
     compiled = CompiledPlan(patterns)
     for issue in compiled.errors:
         issues.errors.add(issue.code, issue.name, issue.message)

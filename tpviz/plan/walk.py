@@ -29,6 +29,11 @@ class _Tensor:
     value: torch.Tensor  # on meta, or computed (non-persistent buffers)
     kind: str  # "parameter" or "buffer"
     persistent: bool
+    transposed: bool  # stacked experts stored (experts, in, out), as the module declares
+
+    @property
+    def ndim(self) -> int:
+        return self.value.dim()
 
     @property
     def origin(self) -> str:
@@ -37,15 +42,18 @@ class _Tensor:
 
 def _direct_tensors(mod_name: str, module: nn.Module) -> list[_Tensor]:
     """The tensors `module` owns directly, parameters first."""
+    # transformers' experts interface declares the layout of its stacked tensors
+    transposed = getattr(module, "is_transposed", False) is True
     found = [
-        _Tensor(_join(mod_name, leaf), mod_name, leaf, p, "parameter", True)
+        _Tensor(_join(mod_name, leaf), mod_name, leaf, p, "parameter", True, transposed)
         for leaf, p in module._parameters.items()
         if p is not None
     ]
     for leaf, buf in module._buffers.items():
         if buf is not None:
             persistent = leaf not in module._non_persistent_buffers_set
-            found.append(_Tensor(_join(mod_name, leaf), mod_name, leaf, buf, "buffer", persistent))
+            name = _join(mod_name, leaf)
+            found.append(_Tensor(name, mod_name, leaf, buf, "buffer", persistent, transposed))
     return found
 
 
@@ -84,7 +92,7 @@ class Walk:
             tied = self.by_id.get(id(t.value)) if t.kind == "parameter" else None
             if tied is not None:
                 tied.tied_to.append(t.name)
-                dim = forward.placement_dim(t.leaf, t.value.dim()) if forward else None
+                dim = forward.placement_dim(t.leaf, t.ndim, t.transposed) if forward else None
                 check_tie(tied, t.name, dim, self.errors)
                 continue
             own_key = None
@@ -146,11 +154,11 @@ class Walk:
         """The entry of tensor `t`: its own key's style, else its module's, else replicate."""
         style = self._style_of(own_key, t.module) if own_key else forward
         style = style or styles.STYLES[styles.DEFAULT_STYLE]
-        ndim = t.value.dim()
-        cut = style.cut(t.leaf, ndim) if t.kind == "parameter" else styles.Cut(None)
+        ndim = t.ndim
+        cut = style.cut(t.leaf, ndim, t.transposed) if t.kind == "parameter" else styles.Cut(None)
         # a module whose forward uses its parameters as placed needs them all placed its way
         if own_key and forward and forward.places_params:
-            if cut.dim != forward.placement_dim(t.leaf, ndim):
+            if cut.dim != forward.placement_dim(t.leaf, ndim, t.transposed):
                 self.errors.add(
                     "conflicting_style",
                     t.name,

@@ -22,7 +22,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ..checkpoint import dtype_name
 from ..plan import ResolvedPlan, TensorPlan
 from ..plan.experts import EP_TENSOR
-from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward
+from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward, is_bias
 
 
 def forward_of(plan: ResolvedPlan, module: str) -> Forward | None:
@@ -113,17 +113,53 @@ def _install_routing(module: nn.Module, first: int, count: int) -> None:
     module.register_forward_pre_hook(route, with_kwargs=True)
 
 
+def _add_once(module: nn.Module, biases: list[str]) -> None:
+    """Biases every rank holds whole, in a module whose ranks each compute one term of a sum
+    (experts cut by TP add `down_proj_bias` to their partial outputs): on this rank (not rank
+    0) the module runs with zeros in their place, so the all-reduce counts each bias once.
+    The zeros live for one forward, the size of the biases."""
+    held: dict[str, torch.Tensor] = {}
+
+    def zero(mod: nn.Module, inputs: tuple) -> None:
+        for leaf in biases:
+            held[leaf] = mod._parameters[leaf]
+            mod._parameters[leaf] = torch.zeros_like(held[leaf])
+
+    def restore(mod: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        mod._parameters.update(held)
+        held.clear()
+
+    module.register_forward_pre_hook(zero)
+    module.register_forward_hook(restore, always_call=True)
+
+
+def _replicated_biases(plan: ResolvedPlan, module: str) -> list[str]:
+    """The leaves of `module`'s biases that every rank holds whole."""
+    leaves = []
+    for e in plan.params:
+        leaf = e.name.rpartition(".")[2]
+        if e.module == module and e.placement == REPLICATE and is_bias(leaf):
+            leaves.append(leaf)
+    return leaves
+
+
 def _install_partial_hooks(
-    module: nn.Module, forward: Forward, mesh: DeviceMesh, experts: tuple[int, int] | None
+    module: nn.Module,
+    forward: Forward,
+    mesh: DeviceMesh,
+    experts: tuple[int, int] | None,
+    biases: list[str],
 ) -> None:
     """Hooks of a module computing a partial sum on plain local tensors (MoE experts): what
     DTensor would do for Replicate -> Partial (divide) and Partial -> Replicate (all-reduce);
     experts under expert parallelism (`experts`: this rank's first and count) see their routes
-    remapped first."""
+    remapped first; replicated `biases` are added by rank 0 only."""
     if forward.input == ROUTED and experts is not None:  # the plan checks it has experts
         _install_routing(module, *experts)
     if forward.input == PARTIAL:
         module.register_forward_pre_hook(lambda mod, inputs: _split_input(mod, inputs, mesh))
+    if forward.compute == PARTIAL and biases and mesh.get_local_rank() != 0:
+        _add_once(module, biases)
     if forward.compute == PARTIAL and forward.output == REPLICATE:
         module.register_forward_hook(
             lambda mod, inputs, output: _sum_output(mod, inputs, output, mesh)
@@ -142,7 +178,8 @@ def apply_styles(model: nn.Module, plan: ResolvedPlan, mesh: DeviceMesh) -> None
             continue  # packed / replicated: plain tensors, no hooks
         module = model.get_submodule(name)
         if not forward.on_dtensors:
-            _install_partial_hooks(module, forward, mesh, experts.get(name))
+            biases = _replicated_biases(plan, name)
+            _install_partial_hooks(module, forward, mesh, experts.get(name), biases)
             continue
         module.register_forward_pre_hook(
             lambda mod, inputs, forward=forward: _prepare_input(forward, mod, inputs, mesh)

@@ -4,7 +4,7 @@ Pure: the plan places tensors with a style's cut; the runtime installs the forwa
 `forward` describes.
 """
 
-from .base import ANY, EMBEDDING, LINEAR, PARTIAL, REPLICATE, ROUTED, Cut, Forward, Style
+from .base import ANY, EMBEDDING, LINEAR, PARTIAL, REPLICATE, ROUTED, Cut, Forward, Style, is_bias
 from .registry import (
     ALIASES,
     DEFAULT_STYLE,
@@ -34,4 +34,5 @@ __all__ = [
     "UnsupportedStyle",
     "canonical",
     "executable",
+    "is_bias",
 ]

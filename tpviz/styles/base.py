@@ -34,6 +34,12 @@ PARTIAL = "partial"
 ROUTED = "routed"
 
 
+def is_bias(param_name: str) -> bool:
+    """A Linear's `bias`, or a stacked experts bias (`down_proj_bias`, as transformers'
+    experts name them): added to the output, one value per output feature."""
+    return param_name == "bias" or param_name.endswith("_bias")
+
+
 def module_kind(module: nn.Module) -> str:
     """The kind a style's `modules` names: LINEAR, EMBEDDING, or the class name."""
     if isinstance(module, nn.Linear):
@@ -139,21 +145,24 @@ class Style:
         """The module class the style needs, as an error message names it."""
         return "nn.Linear" if LINEAR in self.modules else "nn.Embedding"
 
-    def placement_dim(self, param_name: str, ndim: int) -> int | None:
+    def placement_dim(self, param_name: str, ndim: int, transposed: bool = False) -> int | None:
         """Sharded dim of parameter `param_name` with `ndim` dims under this style; None:
-        replicate. A bias follows `bias_sharded`; any other parameter is cut like the weight,
-        and a 1-D one (attention sinks) along its only dim, as transformers does. `weight_dim`
-        counts in the last two dims (out, in), so stacked experts (experts, out, in) are cut
-        along their features, every expert alike, as transformers cuts them."""
-        if param_name == "bias":
-            return 0 if self.bias_sharded else None
+        replicate. A bias follows `bias_sharded`, cut along its last (feature) dim; any other
+        parameter is cut like the weight, and a 1-D one (attention sinks) along its only dim,
+        as transformers does. `weight_dim` counts in the last two dims (out, in), so stacked
+        experts (experts, out, in) are cut along their features, every expert alike, as
+        transformers cuts them; `transposed` experts store (experts, in, out)."""
+        if is_bias(param_name):
+            return ndim - 1 if self.bias_sharded and ndim else None
         if self.weight_dim is None or ndim == 0:
             return None
-        return 0 if ndim == 1 else ndim - 2 + self.weight_dim
+        if ndim == 1:
+            return 0
+        return ndim - 2 + (1 - self.weight_dim if transposed else self.weight_dim)
 
-    def cut(self, param_name: str, ndim: int) -> Cut:
+    def cut(self, param_name: str, ndim: int, transposed: bool = False) -> Cut:
         """How this style cuts parameter `param_name` with `ndim` dims."""
-        dim = self.placement_dim(param_name, ndim)
+        dim = self.placement_dim(param_name, ndim, transposed)
         return Cut(dim, self.packed_parts if dim is not None else 1)
 
     def __repr__(self) -> str:

@@ -13,7 +13,7 @@ class GroupedGemm(Style):
         "experts (a tensor's own style: its module's style runs the forward)"
     )
 
-    def placement_dim(self, param_name: str, ndim: int) -> int | None:
+    def placement_dim(self, param_name: str, ndim: int, transposed: bool = False) -> int | None:
         """Every stacked expert tensor, weights and biases alike, is cut along dim 0: the
         experts."""
         return 0 if ndim >= 1 else None
