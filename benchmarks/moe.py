@@ -34,12 +34,6 @@ CONFIG = dict(
     num_local_experts=8,
     num_experts_per_tok=2,
 )
-# transformers 5.24's Mixtral TP plan for the experts (5.25 plans them by EP only)
-EXPERTS_TP = {
-    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-    "layers.*.mlp.experts.down_proj": "rowwise",
-    "layers.*.mlp.experts": "moe_tp_experts",
-}
 
 
 def make_checkpoint(directory: str) -> None:
@@ -75,10 +69,10 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as source:
         make_checkpoint(source)
-        default = tpviz.resolve_plan(source, args.world_size).patterns
+        # the model's own plan; under tp tpviz derives the experts' keys from structure
         plans = {
-            "tp": tpviz.resolve_plan(source, args.world_size, {**default, **EXPERTS_TP}),
-            "ep": tpviz.resolve_plan(source, args.world_size, experts="ep"),
+            layout: tpviz.resolve_plan(source, args.world_size, experts=layout)
+            for layout in ("tp", "ep")
         }
         total = plans["tp"].total_bytes
         print(f"Mixtral-class checkpoint, {gib(total)} float32, world size {args.world_size}")

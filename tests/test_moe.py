@@ -42,7 +42,8 @@ EXPERTS_TP = {
 }
 # The MoE TP plans transformers 5.24 ships in these models' configs. transformers 5.25
 # deprecated `moe_tp_experts` and dropped the expert keys from its configs (experts default to
-# expert parallelism there), so the tests pass the plans themselves: the same on every version.
+# expert parallelism there); tpviz derives the same keys from structure when a plan leaves the
+# experts unplaced. The tests pass these plans themselves: the same on every version.
 TP_PLANS = {
     "mixtral": {**ATTENTION, "layers.*.self_attn.o_proj": "rowwise", **EXPERTS_TP},
     "qwen2_moe": {
@@ -77,11 +78,17 @@ def config_of(name: str, models: dict = MODELS):
 
 
 def save_models(root, models: dict = MODELS) -> dict:
-    """name -> checkpoint directory, written by the model class in several files."""
+    """name -> checkpoint directory, written by the model class in several files. Tensors the
+    class initialises to zeros (biases) get random values: a bias added once per rank instead
+    of once must change the logits."""
     out = {}
     for i, name in enumerate(models):
         torch.manual_seed(i)
         model = transformers.AutoModelForCausalLM.from_config(config_of(name, models))
+        with torch.no_grad():
+            for param in model.parameters():
+                if not param.any():
+                    param.normal_(std=0.1)
         model.save_pretrained(root / name, max_shard_size="300KB")
         out[name] = root / name
     return out
@@ -134,6 +141,29 @@ def test_moe_plans_cut_every_expert_along_its_intermediate_features(moe, name):
     router = plan.tensor("model.layers.0.mlp.gate.weight")
     assert router.placement == "replicate"
     assert sum(plan.per_rank_bytes) >= plan.total_bytes
+
+
+@pytest.mark.parametrize("name", [*MODELS, "qwen3_moe_stacked"])
+def test_the_models_own_plan_cuts_the_experts_as_the_5_24_plans_did(moe, name):
+    """transformers 5.25 ships no expert keys; tpviz derives them from the experts module's
+    structure, so the model's own plan cuts every expert alike on any version."""
+    default = tpviz.resolve_plan(moe[name], 2)
+    given = tpviz.resolve_plan(moe[name], 2, TP_PLANS[name])
+    assert not default.errors, default.errors
+    experts = [t for t in given.params if ".experts." in t.name]
+    assert experts and all(t.placement.startswith("shard") for t in experts)
+    for t in experts:
+        derived = default.tensor(t.name)
+        assert (derived.style, derived.placement, derived.ranks) == (t.style, t.placement, t.ranks)
+    assert default.patterns["model.layers.*.mlp.experts"] == "moe_tp_experts"  # in its JSON
+
+
+def test_a_plan_that_places_the_experts_itself_is_kept(moe):
+    plan = tpviz.resolve_plan(moe["mixtral"], 2, {"layers.*.mlp.experts": "replicate"})
+    assert not plan.errors
+    experts = [t for t in plan.params if ".experts." in t.name]
+    assert experts and all(t.placement == "replicate" for t in experts)
+    assert "moe_tp_experts" not in plan.patterns.values()
 
 
 def test_shared_experts_follow_their_plan(moe):
@@ -266,3 +296,13 @@ def test_partial_sum_styles_reach_modules_without_tensors_of_their_own():
     assert plan.module_styles["experts.identity_expert"] == "moe_identity_expert"
     assert plan.module_styles["shared"] == "all_reduce"
     assert plan.tensor("experts.down_proj").placement == "shard(2)"
+
+
+def test_experts_outside_transformers_experts_interface_are_planned_as_given():
+    """Keys are derived only for modules that declare their layout (transformers' experts
+    interface): another module's stacked tensors could be laid out any way."""
+    with torch.device("meta"):
+        model = _Block()
+    plan = tpviz.resolve_plan(model, 2, {})
+    assert plan.tensor("experts.down_proj").placement == "replicate"
+    assert "moe_tp_experts" not in plan.patterns.values()

@@ -64,8 +64,8 @@ MORE_MODELS = {  # name: (model_type, config), beside test_moe's
 }
 ALL = {**MODELS, **MORE_MODELS}
 # the TP plans: transformers 5.25's for these classes, with the experts cut as 5.24 cut them
-# (DeepSeek-V3's); gpt-oss's experts are replicated under TP, as transformers' own plan has
-# them (its down_proj bias would be added once per rank by a partial sum)
+# (DeepSeek-V3's); gpt-oss's plan has no expert keys, so tpviz derives them from its experts
+# module (transposed, gate and up interleaved, biases)
 TP = {
     **TP_PLANS,
     "deepseek_v3": {
@@ -152,7 +152,7 @@ def test_an_expert_count_the_world_size_does_not_divide_is_refused(tmp_path, cli
     result = cli("plan", str(tmp_path), "--world-size", "4", "--experts", "ep")
     assert result.returncode == 2 and "world sizes that work: 1, 2, 3, 6" in result.stderr
     assert "Traceback" not in result.stderr
-    assert cli("plan", str(tmp_path), "--world-size", "4").returncode == 0  # TP: replicated
+    assert cli("plan", str(tmp_path), "--world-size", "4").returncode == 0  # TP: every expert cut
     with pytest.raises(tpviz.PlanError, match="world sizes that work"):
         tpviz.launch(tmp_path, 4, experts="ep", init="random")
 
@@ -195,6 +195,28 @@ def test_transformers_ep_plan_runs_as_given_and_half_of_it_is_refused(moe):
         errors = tpviz.resolve_plan(moe["mixtral"], 2, half).errors
         assert {e.code for e in errors} == {"incomplete_expert_parallel"}
         assert EXPERTS.format(0) in errors[0].message and "--experts ep" in errors[0].message
+
+
+def test_transposed_interleaved_experts_are_cut_along_their_own_feature_dims(moe):
+    """gpt-oss stores experts (experts, in, out) with gate and up interleaved: a plain cut of
+    the output features keeps (gate, up) pairs whole; the output bias stays whole and rank 0
+    alone adds it to the partial sum."""
+    plan = tpviz.resolve_plan(moe["gpt_oss"], 2)
+    assert not plan.errors, plan.errors
+    experts = EXPERTS.format(0)
+    assert plan.module_styles[experts] == "moe_tp_experts"
+    n, hidden, fused = plan.tensor(f"{experts}.gate_up_proj").global_shape
+    placed = {
+        t.name.rpartition(".")[2]: (t.style, t.placement, [r.shape for r in t.ranks])
+        for t in plan.params
+        if t.module == experts
+    }
+    assert placed == {
+        "gate_up_proj": ("colwise", "shard(2)", [[n, hidden, fused // 2]] * 2),
+        "gate_up_proj_bias": ("colwise", "shard(1)", [[n, fused // 2]] * 2),
+        "down_proj": ("rowwise", "shard(1)", [[n, fused // 4, hidden]] * 2),
+        "down_proj_bias": ("moe_tp_experts", "replicate", [[n, hidden]] * 2),
+    }
 
 
 # --- seen per rank: the PlanView's experts x ranks grid and the Dashboard's layout control ----
@@ -297,10 +319,7 @@ def test_compare_loads_a_moe_checkpoint_with_every_strategy_under_ep(moe, cli):
 
 # --- planning at scale from config.json alone ---------------------------------------------------
 
-SCALE = {  # name: (config, its TP plan with the experts cut as transformers 5.24 cut them)
-    "mixtral_8x7b": (MIXTRAL_8X7B, TP_PLANS["mixtral"]),
-    "deepseek_v3_671b": (DEEPSEEK_V3, TP["deepseek_v3"]),
-}
+SCALE = {"mixtral_8x7b": MIXTRAL_8X7B, "deepseek_v3_671b": DEEPSEEK_V3}
 
 
 def routed_expert_bytes(config: dict) -> int:
@@ -313,13 +332,11 @@ def routed_expert_bytes(config: dict) -> int:
 
 @pytest.mark.parametrize("name", SCALE)
 def test_real_moe_configs_plan_at_world_size_8_under_both_layouts(tmp_path, cli, name):
-    config, tp_plan = SCALE[name]
+    """The models' own plans (the experts' TP keys derived), as a user would plan them."""
+    config = SCALE[name]
     source = config_dir(tmp_path / name, config)
-    tp = tpviz.resolve_plan(source, 8, tp_plan)
-    plan_file = tmp_path / "plan.json"
-    plan_file.write_text(json.dumps(tp_plan))
-    args = ("--world-size", "8", "--plan", str(plan_file), "--experts", "ep", "--json")
-    result = cli("plan", str(source), *args)
+    tp = tpviz.resolve_plan(source, 8)
+    result = cli("plan", str(source), "--world-size", "8", "--experts", "ep", "--json")
     assert result.returncode == 0, result.stderr
     ep = tpviz.ResolvedPlan.from_json(result.stdout)
     assert not tp.errors and not ep.errors

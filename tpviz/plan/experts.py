@@ -53,10 +53,14 @@ def expert_count(config: Mapping[str, Any]) -> int | None:
 def find_experts(
     skeleton: nn.Module, patterns: Mapping[str, str], count: int | None
 ) -> dict[str, list[str]]:
-    """Experts module -> the leaves of its stacked expert tensors (first dim = expert count)."""
+    """Experts module -> the leaves of its stacked expert tensors (first dim = expert count).
+    Only modules that follow transformers' experts interface count: both layouts rely on its
+    kernels (the skipped expert id under EP, the declared layout under TP)."""
     compiled = CompiledPlan(patterns)
     found: dict[str, list[str]] = {}
     for name, module in skeleton.named_modules():
+        if not isinstance(getattr(module, "is_transposed", None), bool):
+            continue
         params = {leaf: p for leaf, p in module._parameters.items() if p is not None}
         stacked = [p for p in params.values() if p.dim() >= 3]
         if not stacked:
@@ -114,8 +118,15 @@ def _intermediate_cuts(module: nn.Module, leaves: list[str]) -> dict[str, str]:
     if len(inputs) != 1 or "down_proj" not in leaves:
         return {}
     (into,) = inputs
+    fused = into == "gate_up_proj"
+    # the input projection's output features must be the down projection's input features
+    # (twice them when gate and up are fused), in the layout the module declares
+    out_dim, in_dim = (2, 1) if module.is_transposed else (1, 2)
+    features = getattr(module, into).shape[out_dim]
+    if features != (2 if fused else 1) * module.down_proj.shape[in_dim]:
+        return {}
     # [gate; up] halves are cut part by part; interleaved pairs stay whole in a plain cut
-    packed = into == "gate_up_proj" and getattr(module, "is_concatenated", True) is not False
+    packed = fused and getattr(module, "is_concatenated", True) is not False
     cuts = {into: "packed_colwise" if packed else "colwise", "down_proj": "rowwise"}
     if f"{into}_bias" in leaves:
         cuts[f"{into}_bias"] = cuts[into]

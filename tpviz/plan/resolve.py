@@ -216,8 +216,9 @@ def _expert_parallel(
         issues.warnings.add(
             "no_experts",
             "",
-            "experts='ep': no experts module found (none is given an experts style, none holds "
-            "stacked tensors whose first dim is the config's expert count); planned as given",
+            "experts='ep': no experts module found (none follows transformers' experts "
+            "interface and is given an experts style or holds stacked tensors whose first dim "
+            "is the config's expert count); planned as given",
         )
         return patterns
     return expert_parallel_plan(patterns, found.skeleton, moes)

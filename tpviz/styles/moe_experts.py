@@ -10,7 +10,8 @@ class MoeTpExperts(Style):
     name = "moe_tp_experts"
     summary = (
         "experts module: each rank runs its slice of every expert (tensors placed by their own "
-        "keys, e.g. packed_colwise / rowwise) on a replicated input; partial outputs all-reduced"
+        "keys, e.g. packed_colwise / rowwise) on a replicated input; a replicated output bias "
+        "added by rank 0 alone; partial outputs all-reduced"
     )
     places_params = False
     # transformers' experts kernel (a grouped matmul) needs equal slices on every rank
