@@ -331,22 +331,23 @@ OTHER_FAMILIES = {
 
 
 @pytest.mark.slow
-def test_other_moe_families_cut_their_experts_with_their_own_plans(tmp_path):
+def test_other_moe_families_load_under_both_layouts_with_their_own_plans(tmp_path):
     sources = save_models(tmp_path, OTHER_FAMILIES)
     job = None
     try:
         for name, source in sources.items():
-            plan = tpviz.resolve_plan(source, 2)
-            assert not plan.errors, (name, plan.errors)
-            cut = [s for m, s in plan.module_styles.items() if s == "moe_tp_experts"]
-            assert cut, name
             expected = transformers_logits(source)
-            job = load_next(job, source, 2, plan)  # warm ranks after the first
-            result = job.wait(240)
-            assert result["plan_matches_shards"], name
-            assert [r["param_bytes"] for r in result["ranks"]] == plan.per_rank_bytes, name
-            logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
-            assert (logits.float() - expected).abs().max().item() <= 1e-4, name
+            for experts, style in (("tp", "moe_tp_experts"), ("ep", "ep_dispatch_experts")):
+                plan = tpviz.resolve_plan(source, 2, experts=experts)
+                assert not plan.errors, (name, plan.errors)
+                assert style in plan.module_styles.values(), (name, experts)
+                job = load_next(job, source, 2, plan)  # warm ranks after the first
+                result = job.wait(240)
+                assert result["plan_matches_shards"], (name, experts)
+                held = [r["param_bytes"] for r in result["ranks"]]
+                assert held == plan.per_rank_bytes, (name, experts)
+                logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
+                assert (logits.float() - expected).abs().max().item() <= 1e-4, (name, experts)
     finally:
         if job is not None:
             job.shutdown()
