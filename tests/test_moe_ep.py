@@ -256,8 +256,11 @@ def test_the_experts_grid_shows_who_holds_which_expert(moe):
     assert view.experts_figure.data[0].meta["experts"] == "ep"
     bars = {bar.name for bar in view.bytes_figure.data if bar.type == "bar"}
     assert "grouped_gemm" in bars  # per-rank bytes by style include the expert styles
-    view.set_plan(tp)
-    assert view.experts_figure.data[0].meta["experts"] == "tp"
+    assert list(view.experts_layer.options) == [EXPERTS.format(i) for i in range(2)]
+    view.experts_layer.value = EXPERTS.format(1)  # another MoE layer's grid
+    assert view.experts_figure.data[0].meta["module"] == EXPERTS.format(1)
+    view.set_plan(tp)  # the picked layer stays
+    assert view.experts_figure.data[0].meta == {"module": EXPERTS.format(1), "experts": "tp"}
     assert "packed_colwise" in {bar.name for bar in view.bytes_figure.data if bar.type == "bar"}
 
 

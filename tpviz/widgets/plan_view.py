@@ -134,10 +134,13 @@ def table_html(plan: ResolvedPlan, tensors: list[TensorPlan], open_all: bool = F
     return f'<div class="tpviz-plan">{"".join(out)}</div>'
 
 
-def _experts_grid(plan: ResolvedPlan) -> go.Figure:
-    """The first MoE layer's experts x ranks grid (empty for a model without experts)."""
-    moes = figures.experts_modules(plan)
-    return figures.experts_grid_figure(plan, moes[0]) if moes else go.Figure()
+def _experts_grid(plan: ResolvedPlan, module: str | None) -> go.Figure:
+    """The experts x ranks grid of one MoE layer (empty for a model without experts)."""
+    return figures.experts_grid_figure(plan, module) if module else go.Figure()
+
+
+def _first(items: list[str]) -> str | None:
+    return items[0] if items else None
 
 
 def replace_figure(widget: FigureWidget, fig: go.Figure) -> None:
@@ -181,8 +184,14 @@ class PlanView(widgets.VBox):
         self.issues = widgets.HTML()
         # drawn from the start: the state a FigureWidget opens with always reaches the browser
         self.bytes_figure = FigureWidget(figures.bytes_by_style_figure(plan))
-        self.experts_figure = FigureWidget(_experts_grid(plan))
-        self.experts_box = widgets.VBox([self.experts_figure])  # shown for MoE models only
+        self.experts_figure = FigureWidget(
+            _experts_grid(plan, _first(figures.experts_modules(plan)))
+        )
+        self.experts_layer = widgets.Dropdown(
+            description="MoE layer", layout=widgets.Layout(width="480px")
+        )
+        # shown for MoE models only
+        self.experts_box = widgets.VBox([self.experts_layer, self.experts_figure])
         self.tensor = widgets.Dropdown(description="tensor", layout=widgets.Layout(width="600px"))
         self.block_figure = FigureWidget(
             figures.block_diagram_figure(figures.representative_tensor(plan.params))
@@ -192,6 +201,7 @@ class PlanView(widgets.VBox):
         self.name_filter.observe(self._on_filter, "value")
         self.style_filter.observe(self._on_filter, "value")
         self.tensor.observe(self._on_tensor, "value")
+        self.experts_layer.observe(self._on_experts_layer, "value")
         super().__init__(
             [
                 widgets.HTML(_CSS),
@@ -223,13 +233,16 @@ class PlanView(widgets.VBox):
             keep = self.style_filter.value if self.style_filter.value in counts else ""
             self.style_filter.options = options
             self.style_filter.value = keep
+            moes = figures.experts_modules(plan)  # the same layer stays picked where it exists
+            layer = self.experts_layer.value if self.experts_layer.value in moes else _first(moes)
+            self.experts_layer.options = moes
+            self.experts_layer.value = layer
         finally:
             self._syncing = False
         self.header.value = self._header()
         self.issues.value = issues_html(plan)
         replace_figure(self.bytes_figure, figures.bytes_by_style_figure(plan))
-        replace_figure(self.experts_figure, _experts_grid(plan))
-        self.experts_box.layout.display = "" if figures.experts_modules(plan) else "none"
+        self._draw_experts()
         self._refilter()
         for listener in list(self._listeners):
             listener(plan)
@@ -337,6 +350,15 @@ class PlanView(widgets.VBox):
     def _on_filter(self, _change: dict[str, Any]) -> None:
         if not self._syncing:
             self._refilter()
+
+    def _on_experts_layer(self, change: dict[str, Any]) -> None:
+        if not self._syncing:
+            self._draw_experts()
+
+    def _draw_experts(self) -> None:
+        module = self.experts_layer.value
+        replace_figure(self.experts_figure, _experts_grid(self.plan, module))
+        self.experts_box.layout.display = "" if module else "none"
 
     def _on_tensor(self, change: dict[str, Any]) -> None:
         if not self._syncing and change["new"] is not None:
