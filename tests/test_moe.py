@@ -306,3 +306,24 @@ def test_experts_outside_transformers_experts_interface_are_planned_as_given():
     plan = tpviz.resolve_plan(model, 2, {})
     assert plan.tensor("experts.down_proj").placement == "replicate"
     assert "moe_tp_experts" not in plan.patterns.values()
+
+
+def test_a_missing_expert_tensor_is_named_before_launch(moe, tmp_path, cli):
+    """One expert's w1 gone from a per-expert checkpoint: the stack would shift every later
+    expert, so the plan names the missing key instead."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(moe["mixtral"], broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    key = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
+    file = broken / index["weight_map"].pop(key)
+    tensors = load_file(file)
+    del tensors[key]
+    save_file(tensors, file, metadata={"format": "pt"})
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    result = cli("plan", str(broken), "--world-size", "2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{key} is missing from the checkpoint (3 of 4 modules found)" in result.stderr

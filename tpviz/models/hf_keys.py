@@ -86,10 +86,36 @@ def _ops(converter) -> str:
     return ", ".join(type(op).__name__ for op in converter.operations)
 
 
+def _check_members(collected: dict[str, list[str]]) -> None:
+    """The per-module keys a stack gathers (`experts.N.w1.weight`, N the last index in the key)
+    must run 0..n-1 in every pattern: a gap would shift every later member."""
+    indices = {p: [_last_index(k) for k in keys] for p, keys in collected.items()}
+    count = max((max(found) + 1 for found in indices.values() if None not in found), default=0)
+    for pattern, keys in collected.items():
+        found = indices[pattern]
+        if None in found:
+            continue
+        for n in sorted(set(range(count)) - set(found)):
+            parts = keys[0].split(".")
+            at = max(i for i, part in enumerate(parts) if part.isdigit())
+            missing = ".".join([*parts[:at], str(n), *parts[at + 1 :]])
+            raise KeyMapError(
+                f"{missing} is missing from the checkpoint ({len(keys)} of {count} modules "
+                "found); the checkpoint is incomplete or does not match config.json"
+            )
+
+
+def _last_index(key: str) -> int | None:
+    numbers = [int(part) for part in key.split(".") if part.isdigit()]
+    return numbers[-1] if numbers else None
+
+
 def _assemble(converter, collected: dict[str, list[str]], shapes) -> Assembly:
     """Replay the converter's operations on the shapes of its source tensors."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
+    if any(isinstance(op, MergeModulelist) for op in converter.operations):
+        _check_members(collected)
     value: dict[str, list[Layout]] = {
         p: [Layout.of(k, shapes[k]) for k in keys] for p, keys in collected.items()
     }
