@@ -31,6 +31,7 @@ HF_MODELS = {
     "stablelm": ("stablelm", dict(qk_layernorm=True)),
     "bitnet": ("bitnet", {}),
     "phi3": ("phi3", {}),
+    "mixtral": ("mixtral", dict(num_local_experts=4)),
 }
 MLP = {
     "falcon": ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
@@ -156,6 +157,18 @@ def test_per_head_norms_in_a_module_list_stay_with_the_whole_heads(suggestion):
     assert set(attention.styles.values()) == {"colwise_gather_output", "rowwise_split_input"}
     norms = [e for e in s.resolved.params if ".q_layernorm.norms." in e.name]
     assert norms and all(e.placement == "replicate" for e in norms)
+
+
+def test_experts_are_cut_by_derived_keys_and_their_partial_sums_simulated(suggestion, capsys):
+    """The experts get the keys the `tp` layout derives; attention's pair is kept only if the
+    simulated ranks also sum the experts' partial outputs as the real ranks do."""
+    s = suggestion("mixtral")
+    assert s.resolved.errors == [] and s.max_abs_diff <= s.tolerance
+    experts = _decision(s, "mlp.experts")
+    assert (experts.kind, list(experts.styles.values())) == ("experts", ["moe_tp_experts"])
+    assert s.plan["model.layers.*.mlp.experts"] == "moe_tp_experts"  # in the printed plan
+    assert _decision(s, "self_attn.o_proj").styles["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert _placements(s.resolved)["model.layers.0.mlp.experts.down_proj"] == "shard(2)"
 
 
 def test_cli_prints_a_plan_file_that_resolves_to_the_suggestion(

@@ -16,6 +16,7 @@ from typing import Any
 from ..checkpoint import torch_dtype
 from ..chunks import Block, RankShard
 from ..keymap import Source
+from ..styles import REPLICATE, is_bias
 
 
 class PlanError(ValueError):
@@ -109,6 +110,17 @@ class ResolvedPlan:
             for t in self.params:
                 self._by_name.update(dict.fromkeys([t.name, *t.tied_to], t))
         return self._by_name[name]
+
+    def replicated_biases(self, module: str) -> list[str]:
+        """The leaves of `module`'s biases that every rank holds whole: where the module's
+        ranks each compute one term of a sum (experts cut by TP), rank 0 alone adds them."""
+        return [
+            leaf
+            for t in self.params
+            if t.module == module
+            and t.placement == REPLICATE
+            and is_bias(leaf := t.name.rpartition(".")[2])
+        ]
 
     def units(self) -> list[tuple[str, list[TensorPlan]]]:
         """Units of loading in order: (module, the tensors it loads from the checkpoint)."""

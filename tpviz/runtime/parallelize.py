@@ -22,7 +22,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ..checkpoint import dtype_name
 from ..plan import ResolvedPlan, TensorPlan
 from ..plan.experts import EP_TENSOR
-from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward, is_bias
+from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward
 
 
 def forward_of(plan: ResolvedPlan, module: str) -> Forward | None:
@@ -133,16 +133,6 @@ def _add_once(module: nn.Module, biases: list[str]) -> None:
     module.register_forward_hook(restore, always_call=True)
 
 
-def _replicated_biases(plan: ResolvedPlan, module: str) -> list[str]:
-    """The leaves of `module`'s biases that every rank holds whole."""
-    leaves = []
-    for e in plan.params:
-        leaf = e.name.rpartition(".")[2]
-        if e.module == module and e.placement == REPLICATE and is_bias(leaf):
-            leaves.append(leaf)
-    return leaves
-
-
 def _install_partial_hooks(
     module: nn.Module,
     forward: Forward,
@@ -178,7 +168,7 @@ def apply_styles(model: nn.Module, plan: ResolvedPlan, mesh: DeviceMesh) -> None
             continue  # packed / replicated: plain tensors, no hooks
         module = model.get_submodule(name)
         if not forward.on_dtensors:
-            biases = _replicated_biases(plan, name)
+            biases = plan.replicated_biases(name)
             _install_partial_hooks(module, forward, mesh, experts.get(name), biases)
             continue
         module.register_forward_pre_hook(

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..models import build_skeleton, get_adapter, prompt_ids, read_config
 from ..plan import ResolvedPlan, resolve_plan
+from ..plan.experts import EXPERT_STYLES
 from .dataflow import trace
 from .simulate import run_ranks
 
@@ -131,9 +132,12 @@ def suggest_plan(
                 break
             decision.tried.append(f"{', '.join(sorted(set(styles.values())))}: {why}")
         decisions.append(decision)
-    decisions += _not_candidates(instance, {p for d in decisions for p in d.patterns})
     resolved = proof.resolve(kept)
-    return Suggestion(kept, resolved, decisions, _layers_prefix(instance), diff, proof.tolerance)
+    covered = {p for d in decisions for p in d.patterns}
+    decisions += _not_candidates(instance, covered, resolved.module_styles)
+    # the plan as resolved: the kept keys and those the experts layout derived (experts cut)
+    plan = dict(resolved.patterns)
+    return Suggestion(plan, resolved, decisions, _layers_prefix(instance), diff, proof.tolerance)
 
 
 @dataclass
@@ -201,12 +205,18 @@ def _units(instance: nn.Module, run: Callable) -> list[Unit]:
     return unique
 
 
-def _not_candidates(instance: nn.Module, covered: set[str]) -> list[Decision]:
-    """The other modules holding tensors (norms, Conv1D, stacked experts), replicated."""
+def _not_candidates(
+    instance: nn.Module, covered: set[str], module_styles: dict[str, str]
+) -> list[Decision]:
+    """The other modules holding tensors: experts, cut by the keys the plan derives for them
+    (`module_styles`: as resolved), and the rest (norms, Conv1D, routers), replicated."""
     found: dict[str, Decision] = {}
     for name, module in instance.named_modules():
         (pattern,) = _patterns([name])
         if pattern in covered or pattern in found or not list(module.parameters(recurse=False)):
+            continue
+        if module_styles.get(name) in EXPERT_STYLES:
+            found[pattern] = Decision("experts", [pattern], {pattern: module_styles[name]})
             continue
         why = f"{type(module).__name__} is not an nn.Linear or nn.Embedding, the modules cut here"
         found[pattern] = Decision("other", [pattern], {}, [why])

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..chunks import Block
 from ..plan import ResolvedPlan, TensorPlan
-from ..styles import REPLICATE, STYLES
+from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward
 
 BARRIER_SECONDS = 60.0  # liveness bound: a rank that never reaches a collective fails the run
 
@@ -97,6 +97,24 @@ def _install(module: nn.Module, style_name: str, weight: TensorPlan, rank: int, 
         module.register_forward_hook(lambda m, a, out: c.all_gather(rank, out))
 
 
+def _install_partial(
+    module: nn.Module, forward: Forward, biases: list[str], rank: int, c: _Collective
+) -> None:
+    """Hooks of a module that computes one term of a sum on each rank (experts cut by TP):
+    a replicated input divided over the ranks, replicated biases added by rank 0 alone, the
+    terms summed."""
+    if forward.input == ROUTED:
+        raise ValueError("simulated ranks run experts cut by TP, not expert parallelism")
+    if forward.input == PARTIAL:
+        world = len(c.slots)
+        module.register_forward_pre_hook(lambda m, a: (a[0] / world, *a[1:]))
+    if forward.compute == PARTIAL and rank != 0:
+        for leaf in biases:
+            getattr(module, leaf).data.zero_()  # this rank's copy only
+    if forward.compute == PARTIAL and forward.output == REPLICATE:
+        module.register_forward_hook(lambda m, a, out: c.all_reduce(rank, out))
+
+
 def run_ranks(
     model: nn.Module, plan: ResolvedPlan, run: Callable[[nn.Module], torch.Tensor]
 ) -> list[torch.Tensor]:
@@ -108,9 +126,13 @@ def run_ranks(
         local = _rank_copy(model, plan, rank)
         for mod_name, style_name in plan.module_styles.items():
             forward = STYLES[style_name].forward
+            module = local.get_submodule(mod_name)
             if forward is not None and forward.on_dtensors:
                 weight = plan.tensor(f"{mod_name}.weight")
-                _install(local.get_submodule(mod_name), style_name, weight, rank, collective)
+                _install(module, style_name, weight, rank, collective)
+            elif forward is not None:
+                biases = plan.replicated_biases(mod_name)
+                _install_partial(module, forward, biases, rank, collective)
         copies.append(local)
     results: list[torch.Tensor | None] = [None] * plan.world_size
     errors: list[BaseException | None] = [None] * plan.world_size
