@@ -166,6 +166,24 @@ def test_a_plan_that_places_the_experts_itself_is_kept(moe):
     assert "moe_tp_experts" not in plan.patterns.values()
 
 
+@pytest.mark.parametrize(
+    "plan, named",
+    [  # each would run and give wrong numbers: refused before launch
+        ({"layers.*.mlp.experts": "moe_tp_experts"}, "gate_up_proj"),  # whole: summed twice
+        ({"layers.*.mlp.experts.down_proj": "rowwise"}, "down_proj"),  # cut, never summed
+        ({**EXPERTS_TP, "layers.*.mlp.experts.gate_up_proj": "colwise"}, "gate_up_proj"),
+    ],
+)
+def test_experts_cut_in_ways_that_cannot_sum_are_refused(moe, cli, tmp_path, plan, named):
+    resolved = tpviz.resolve_plan(moe["mixtral"], 2, plan)
+    assert {e.code for e in resolved.errors} == {"inconsistent_experts"}
+    assert resolved.errors[0].message.startswith(f"{EXPERTS.format(0)}.{named}")
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    result = cli("plan", str(moe["mixtral"]), "--plan", str(plan_file))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
 def test_shared_experts_follow_their_plan(moe):
     plan = tpviz.resolve_plan(moe["qwen2_moe"], 2, TP_PLANS["qwen2_moe"])
     # transformers' plan names `mlp.gate_proj`, which the shared expert's path does not end with

@@ -192,3 +192,55 @@ def check_expert_parallel(
                 f"parallelism holds whole experts, the same number on every rank); world sizes "
                 f"that work: {works}",
             )
+
+
+def check_expert_tensor_parallel(
+    skeleton: nn.Module,
+    experts: Mapping[str, list[str]],
+    entries: list[TensorPlan],
+    module_styles: Mapping[str, str],
+    errors: Issues,
+) -> None:
+    """Experts cut by TP compute one term of a sum per rank, which is right only when every
+    expert's intermediate features are split alike in all its tensors and the module sums the
+    terms (`moe_tp_experts`); any other mix runs and gives wrong numbers, so it is refused."""
+    held = {e.name: e for e in entries}
+    for module, leaves in experts.items():
+        style = module_styles.get(module)
+        placed = [held[_join(module, leaf)] for leaf in leaves if _join(module, leaf) in held]
+        if style == EP_MODULE:
+            continue  # check_expert_parallel's
+        if style != TP_MODULE:
+            cut = [e for e in placed if e.placement != "replicate" and e.style != EP_TENSOR]
+            if cut:
+                errors.add(
+                    "inconsistent_experts",
+                    module,
+                    f"{cut[0].name} is cut ({cut[0].style}) but its experts module is not "
+                    f"styled {TP_MODULE}, which sums the ranks' partial outputs; give "
+                    f"{module} {TP_MODULE}, or leave the experts out of the plan (tpviz "
+                    "derives their keys)",
+                )
+            continue
+        _check_intermediate_cuts(skeleton.get_submodule(module), placed, errors)
+
+
+def _check_intermediate_cuts(module: nn.Module, placed: list[TensorPlan], errors: Issues) -> None:
+    """Each tensor of a `moe_tp_experts` module holds what the derived keys would give it."""
+    cuts = _intermediate_cuts(module, [e.name.rpartition(".")[2] for e in placed])
+    if not cuts:
+        return  # a layout tpviz cannot read: placed as the plan says
+    for e in placed:
+        leaf = e.name.rpartition(".")[2]
+        style = styles.STYLES[cuts.get(leaf, "replicate")]
+        want = style.cut(leaf, len(e.global_shape), module.is_transposed)
+        ranks = want.rank_shards(e.global_shape, len(e.ranks), 1)  # blocks only: any itemsize
+        if [r.blocks for r in ranks] != [r.blocks for r in e.ranks]:
+            errors.add(
+                "inconsistent_experts",
+                e.name,
+                f"{e.name}: under {TP_MODULE} every expert's intermediate features must be "
+                f"split alike in all its tensors ({style.name}, {want.placement} here); the "
+                f"plan places it {e.placement} ({e.style}). Leave the experts out of the plan "
+                "(tpviz derives their keys) or use --experts ep",
+            )

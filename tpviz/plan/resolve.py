@@ -25,6 +25,7 @@ from ..models.config import config_dtype
 from ..strategies import STRATEGIES, forecast
 from .experts import (
     check_expert_parallel,
+    check_expert_tensor_parallel,
     check_layout,
     expert_count,
     expert_parallel_plan,
@@ -180,10 +181,10 @@ def _resolve(
     experts: str,
 ) -> ResolvedPlan:
     issues = PlanIssues()
+    moes = find_experts(found.skeleton, patterns, expert_count(found.config))
     if experts == "ep":
-        patterns = _expert_parallel(found, patterns, issues)
+        patterns = _expert_parallel(found, patterns, moes, issues)
     else:
-        moes = find_experts(found.skeleton, patterns, expert_count(found.config))
         patterns = expert_tensor_parallel_plan(patterns, found.skeleton, moes)
     compiled = CompiledPlan(patterns)
     for issue in compiled.errors:
@@ -198,6 +199,9 @@ def _resolve(
         found.skeleton, counts, walk.entries, walk.module_styles, world_size, issues, kv_replication
     )
     check_expert_parallel(walk.entries, walk.module_styles, world_size, issues.errors)
+    check_expert_tensor_parallel(
+        found.skeleton, moes, walk.entries, walk.module_styles, issues.errors
+    )
     _check_checkpoint(found, walk.entries, issues)
     warn_if_mostly_replicated(walk.entries, world_size, issues.warnings)
     plan = _plan(found, walk, world_size, target, patterns, issues)
@@ -208,10 +212,12 @@ def _resolve(
 
 
 def _expert_parallel(
-    found: SourceModel, patterns: Mapping[str, str], issues: PlanIssues
+    found: SourceModel,
+    patterns: Mapping[str, str],
+    moes: Mapping[str, list[str]],
+    issues: PlanIssues,
 ) -> Mapping[str, str]:
     """The plan with whole experts per rank, or as given (with a warning) without experts."""
-    moes = find_experts(found.skeleton, patterns, expert_count(found.config))
     if not moes:
         issues.warnings.add(
             "no_experts",
