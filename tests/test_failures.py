@@ -245,6 +245,45 @@ def test_ranks_listen_on_loopback_only(tiny):
         assert len(server) == 1 and server[0].num_threads() == 1
 
 
+PROBE = """
+import sys
+
+import psutil
+
+from tpviz.processes import rank_imports, start_server
+
+
+def preloaded(name):
+    print(name in sys.modules, flush=True)
+
+
+if __name__ == "__main__":
+    preload = rank_imports(sys.argv[1], "auto")
+    ctx = start_server(preload)
+    child = ctx.Process(target=preloaded, args=(preload[-1],))  # forked once preloading is done
+    child.start()
+    child.join()
+    server = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+    print([s.num_threads() for s in server])
+"""
+
+
+@pytest.mark.slow
+def test_a_transformers_model_is_preloaded_by_a_forkserver_that_stays_single_threaded(tmp_path):
+    """Ranks of a transformers model fork with transformers and the model's modeling module
+    already imported (seconds each rank would spend), from a server still one thread."""
+    from .conftest import write_config
+
+    source = write_config(tmp_path / "hf", model_type="mixtral")
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    done = subprocess.run(
+        [sys.executable, str(probe), str(source)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "[1]"]
+
+
 def test_memory_forecast_refuses_what_cannot_fit_this_machine(tmp_path):
     from .conftest import write_config
     from .test_plan import LLAMA_70B

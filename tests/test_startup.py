@@ -65,3 +65,18 @@ def test_the_monitor_shows_startup_on_its_chart_until_loading_begins(tiny):
     monitor.feed([Phase(r, t + 2.0, name=n) for r in (0, 1) for n in [RankPhase.STARTING, *ready]])
     assert monitor.chart.figure.layout.annotations == ()  # the lines take over
     assert "startup" not in monitor.status.value
+
+
+def test_the_forkserver_preloads_what_a_rank_of_the_model_imports(tmp_path, tiny):
+    from tpviz.processes import rank_imports
+
+    from .conftest import write_config
+
+    hf = write_config(tmp_path / "hf", model_type="gpt_oss")
+    modeling = ["transformers", "transformers.models.gpt_oss.modeling_gpt_oss"]
+    assert rank_imports(hf, "auto") == modeling
+    assert rank_imports(hf / "model.safetensors", None) == modeling  # a file: its directory's
+    assert rank_imports(hf, "hf-remote-code") == ["transformers"]  # its code is the checkpoint's
+    assert rank_imports(tiny, "auto") == []  # tpviz's own Llama: nothing beyond torch
+    assert rank_imports(hf, "my_models:build") == []  # a factory's import could run anything
+    assert rank_imports(tmp_path / "missing", "auto") == []  # the load reports that itself

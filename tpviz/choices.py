@@ -1,8 +1,22 @@
 """The names a user picks from on the command line and in the Dashboard: loading strategies,
-target dtypes, demo presets. Spelled out here, free of torch, so that `tpviz --help` and the
-widgets' controls import nothing heavy; each mirrors its registry (tpviz.strategies.STRATEGIES,
-tpviz.models.demo.PRESETS), and tests/test_cli_help.py keeps them equal."""
+target dtypes, demo presets, model families. Spelled out here, free of torch, so that `tpviz
+--help`, the widgets' controls and the forkserver's preload choice import nothing heavy; each
+mirrors its registry (tpviz.strategies.STRATEGIES, tpviz.models.demo.PRESETS), and
+tests/test_cli_help.py keeps them equal."""
 
 STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
 TARGET_DTYPES = ("float32", "bfloat16", "float16")  # what --dtype offers; Python takes any float
 PRESETS = ("tiny", "small", "medium")
+
+LLAMA_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
+
+
+def model_family(config: dict, model: str | None) -> str:
+    """The adapter `--model` names for this config: under `auto`, tpviz's own Llama for the
+    Llama family and transformers for everything else; other names as given."""
+    choice = model or "auto"
+    if choice != "auto":
+        return choice
+    arch = set(config.get("architectures") or [])
+    is_llama = config.get("model_type") == "llama" and (not arch or arch <= LLAMA_ARCHITECTURES)
+    return "builtin" if is_llama else "hf"

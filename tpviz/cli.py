@@ -63,9 +63,10 @@ def _stop_signals_interrupt() -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("load", "compare", "demo"):
-        from .processes import start_server
+        from .processes import rank_imports, start_server
 
-        start_server()  # its torch import overlaps this process's own (resolving the plan)
+        # its imports (torch; transformers for its models) overlap this process's own work
+        start_server(rank_imports(getattr(args, "source", None), getattr(args, "model", None)))
     try:
         with _stop_signals_interrupt():
             return COMMANDS[args.command](args)

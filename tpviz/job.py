@@ -25,7 +25,7 @@ from .liveness import death_message, silence_message
 from .messages import CommandName, EventBatch, Reply
 from .models import get_adapter, read_config
 from .plan import ResolvedPlan
-from .processes import Ranks
+from .processes import Ranks, rank_imports
 from .results import LoadResult
 from .runtime.options import LoadOptions, WorkerSpec
 from .token_ids import check_token_ids
@@ -114,7 +114,8 @@ class LoadJob:
         self._finalizer = weakref.finalize(self, ranks.request_close)
         spec = self._spec(events_dir)
         if warm is None:
-            ranks.start(plan.world_size, spec, min(1.0, heartbeat_timeout / 4), self)
+            preload = rank_imports(plan.source, plan.model)
+            ranks.start(plan.world_size, spec, min(1.0, heartbeat_timeout / 4), self, preload)
         else:
             ranks.listen(self)
             self._commands.reload(spec)

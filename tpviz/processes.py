@@ -35,12 +35,15 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing import forkserver
 from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any, Protocol
 
+from .choices import model_family
+from .inputs import read_json
 from .runtime.heartbeat import boot
 
 TERMINATE_GRACE_SECONDS = 3.0
@@ -77,15 +80,38 @@ def remove_stale_workdirs() -> None:
             os.close(fd)
 
 
-def start_server() -> mp.context.BaseContext:
+def rank_imports(source: str | os.PathLike | None, model: str | None) -> list[str]:
+    """What a rank of the model at `source` imports to build its skeleton, for the server to
+    preload: transformers, and the model type's modeling module (a name that does not exist
+    is skipped there), for a transformers model; nothing for tpviz's own Llama, and not a user
+    factory's module (its import could start threads or CUDA). Read from config.json without
+    importing torch; [] when it cannot tell (the load reports what is wrong with the source)."""
+    if source is None:
+        return []
+    path = Path(source)
+    try:
+        config = read_json((path if path.is_dir() else path.parent) / "config.json", "config")
+    except (OSError, ValueError):
+        return []
+    family = model_family(config, model) if isinstance(config, dict) else None
+    if family not in ("hf", "hf-remote-code"):
+        return []
+    model_type = str(config.get("model_type") or "").replace("-", "_")
+    if family == "hf-remote-code" or not model_type.isidentifier():
+        return ["transformers"]  # remote code's own modules come from the checkpoint
+    return ["transformers", f"transformers.models.{model_type}.modeling_{model_type}"]
+
+
+def start_server(preload: Sequence[str] = ()) -> mp.context.BaseContext:
     """Start the forkserver ranks are forked from (once per process; at once, so that its
-    imports overlap the caller's own work), and return its context."""
+    imports overlap the caller's own work), preloading `preload` too (see `rank_imports`),
+    and return its context."""
     global _server_started
     ctx = mp.get_context("forkserver")
     with _server_lock:
         if _server_started:
             return ctx
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx.set_forkserver_preload([*PRELOAD, *preload])
         # multiprocessing's temp dir holds the server's socket (a path of at most ~107 bytes,
         # so nothing is nested deeper): it removes it at exit; locked like a workdir, the next
         # launcher removes it if this process was killed. The server's own temp files (torch's
@@ -135,11 +161,13 @@ class Ranks:
         self._send_lock = threading.Lock()
         self._closed = False
 
-    def start(self, world: int, spec: Any, beat: float, listener: Listener) -> None:
+    def start(
+        self, world: int, spec: Any, beat: float, listener: Listener, preload: Sequence[str] = ()
+    ) -> None:
         """Start `world` ranks running `spec` (a WorkerSpec), each with its own pipe, and the
         pump that serves `listener`. The pump starts the processes, so this returns at once
         even while the forkserver is still importing (a rank is forked only after that)."""
-        ctx = start_server()
+        ctx = start_server(preload)
         payload = pickle.dumps(spec)
         environ = dict(os.environ)  # now, not when the server started
 

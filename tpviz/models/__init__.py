@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..choices import model_family
 from .adapter import HeadCounts, ModelAdapter
 from .config import ConfigError, LlamaDims, read_config
 
@@ -61,18 +62,11 @@ class FactoryAdapter(ModelAdapter):
         return self.factory(config)
 
 
-LLAMA_ARCHITECTURES = {"LlamaForCausalLM"}
-
-
 def get_adapter(
     config: dict[str, Any], model: str | None = "auto", source: str | os.PathLike | None = None
 ) -> ModelAdapter:
     """The adapter `model` names for this config (`source`: the checkpoint directory)."""
-    choice = model or "auto"
-    if choice == "auto":
-        arch = set(config.get("architectures") or [])
-        is_llama = config.get("model_type") == "llama" and (not arch or arch <= LLAMA_ARCHITECTURES)
-        choice = "builtin" if is_llama else "hf"
+    choice = model_family(config, model)
     if choice == "builtin":
         return BuiltinLlama()
     if choice in ("hf", "hf-remote-code"):
