@@ -22,6 +22,7 @@ from .capacity import free_task_slots, host_shortfall
 from .job import HEARTBEAT_TIMEOUT, LoadError, LoadJob, MemoryForecastError
 from .outputs import check_output_dir
 from .plan import ResolvedPlan, forecast, resolve_plan
+from .processes import rank_imports, start_server
 from .results import LoadResult, add_ratios
 from .runtime.options import LoadOptions
 from .strategies import STRATEGIES
@@ -125,7 +126,10 @@ def launch(
     to shutdown: long-running `forward` or `call` commands are bounded only by it.
     `kv_replication=False` refuses world sizes past the key-value heads (see `resolve_plan`)."""
     _end_rank_running_an_unguarded_script()
-    return _start(dict(locals()), warm=None)
+    request = dict(locals())
+    # the server's imports (torch; transformers for its models) overlap resolving the plan
+    start_server(rank_imports(source, model))
+    return _start(request, warm=None)
 
 
 def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
