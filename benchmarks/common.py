@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tpviz.checkpoint import Checkpoint
 from tpviz.models.demo import demo_checkpoint
-from tpviz.runtime.memory import prefault
+from tpviz.runtime.memory import fresh_tensor, populate
 
 CHUNK = 64 << 20
 
@@ -36,11 +36,18 @@ def parse_args(description: str) -> tuple[argparse.Namespace, Path]:
     return args, Path(args.source) if args.source else demo_checkpoint("medium")
 
 
-def floor_load(source: str, nbytes: int, rank: int, world_size: int) -> torch.Tensor:
+def floor_load(
+    source: str, nbytes: int, rank: int, world_size: int, huge_pages: bool = True
+) -> torch.Tensor:
     """Fresh memory for `nbytes`, filled with `nbytes` of the checkpoint files' concatenated
-    bytes (rank 0 from the start, the last rank up to the end: all are in the page cache)."""
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    prefault(out)
+    bytes (rank 0 from the start, the last rank up to the end: all are in the page cache).
+    The memory is made as tpviz makes a shard's (`fresh_tensor`: huge pages where the
+    kernel has them), or (`huge_pages=False`) populated as 4 KiB pages."""
+    if huge_pages:
+        out = fresh_tensor([nbytes], torch.uint8)
+    else:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        populate(out)
     view = memoryview(out.numpy())
     files = Checkpoint.open(source).files
     total = sum(os.path.getsize(f) for f in files)
@@ -66,12 +73,12 @@ def floor_load(source: str, nbytes: int, rank: int, world_size: int) -> torch.Te
     return out
 
 
-def floor_in_rank(loaded, source: str, per_rank_bytes: list[int]) -> float:
+def floor_in_rank(loaded, source: str, per_rank_bytes: list[int], huge_pages: bool = True) -> float:
     """Seconds of the floor inside a loaded job's rank (`job.call`): the ranks' own processes,
     all at once, as they load."""
     rank = dist.get_rank()
     start = time.perf_counter()
-    out = floor_load(source, per_rank_bytes[rank], rank, len(per_rank_bytes))
+    out = floor_load(source, per_rank_bytes[rank], rank, len(per_rank_bytes), huge_pages)
     seconds = time.perf_counter() - start
     del out
     return seconds
