@@ -2,13 +2,13 @@
 transformers' `from_pretrained(tp_plan="auto")`, with tpviz's `load_sharded`, or do only the
 floor of any loader that owns its memory, timing and measuring inside the rank the same way.
 
-    torchrun --nproc-per-node 2 benchmarks/peer_rank.py {transformers|tpviz|floor|floor-4k} \
+    torchrun --nproc-per-node 2 benchmarks/peer_rank.py {transformers|tpviz|floor|floor-huge} \
         SOURCE OUT.json
 
 `floor` takes fresh memory for exactly the bytes tpviz's plan gives this rank, made as tpviz
-makes a shard's (huge pages where the kernel has them), and copies that many checkpoint bytes
-into it with large reads: no model, no plan, no per-tensor work. `floor-4k` does the same in
-memory populated as 4 KiB pages.
+makes a shard's (4 KiB pages populated), and copies that many checkpoint bytes into it with
+large reads: no model, no plan, no per-tensor work. `floor-huge` does the same in memory
+backed by transparent huge pages.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main() -> None:
         call = time.perf_counter() - start
         tensors, forward = [*loaded.model.parameters(), *loaded.model.buffers()], loaded.forward
     else:
-        huge = which == "floor"
+        huge = which == "floor-huge"
         out = floor_load(source, shard_bytes, rank, dist.get_world_size(), huge)
         tensors = [out.view(torch.float32)]
     touched = touch(tensors)

@@ -13,8 +13,8 @@ bytes sent/received, with ratios to sliced. Then:
 - each sliced rank's `seconds` against the floor of a loader that owns its memory (fresh
   memory for exactly the rank's bytes, filled from the page cache by large reads), measured
   in every round right after the sliced load, inside the same rank processes, all at once:
-  its memory prepared as tpviz prepares a shard's (huge pages where the kernel has them), and
-  again populated as 4 KiB pages;
+  its memory made as tpviz makes a shard's (4 KiB pages populated), and again backed by
+  transparent huge pages;
 - the check that each sliced rank's peak tensor bytes stay within its final shard plus the
   largest single slice it reads;
 - what profiling off costs: the no-op span calls of one load, timed.
@@ -80,8 +80,8 @@ def main() -> None:
     with tpviz.launch(source, w, plan) as job:  # warm the page cache: every run reads warm
         job.wait()
     results: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
-    floors: list[list[float]] = []  # per round, per rank: huge pages where there are any
-    floors_4k: list[list[float]] = []  # the same with 4 KiB pages only
+    floors: list[list[float]] = []  # per round, per rank: memory made as tpviz makes it
+    floors_huge: list[list[float]] = []  # the same backed by transparent huge pages
     for i in range(args.rounds):
         for strategy in STRATEGIES:
             with tpviz.launch(source, w, plan, strategy=strategy) as job:
@@ -89,7 +89,7 @@ def main() -> None:
                 if strategy == "sliced":  # in the same rank processes, all at once
                     for huge in (True, False) if i % 2 == 0 else (False, True):
                         seconds = job.call(floor_in_rank, str(source), plan.per_rank_bytes, huge)
-                        (floors if huge else floors_4k).append(seconds)
+                        (floors_huge if huge else floors).append(seconds)
             r = results[strategy][-1]
             print(f"  round {i + 1} {strategy:16s} load {r['load_seconds']:.2f} s", flush=True)
 
@@ -131,12 +131,12 @@ def main() -> None:
     print(
         "\nsliced rank seconds (tpviz load --json `seconds`: allocation included) against the "
         "floor (fresh memory for exactly the rank's bytes, filled from the page cache), "
-        "measured in the same rounds; the floor's memory prepared as tpviz's (huge pages where "
-        "the kernel has them), and populated as 4 KiB pages:"
+        "measured in the same rounds: the floor's memory made as tpviz makes it (4 KiB pages "
+        "populated), and backed by transparent huge pages:"
     )
     for rank in range(w):
         ratios = {}
-        for name, runs in (("floor", floors), ("4 KiB floor", floors_4k)):
+        for name, runs in (("floor", floors), ("huge-page floor", floors_huge)):
             each = [r["ranks"][rank]["seconds"] / f[rank] for r, f in zip(results["sliced"], runs)]
             ratios[name] = (
                 f"{name} {median(f[rank] for f in runs):.3f} s: {median(each):.2f}x "
@@ -144,7 +144,7 @@ def main() -> None:
             )
         print(
             f"  rank {rank}: sliced {med('sliced', rank, 'seconds'):.3f} s; "
-            f"{ratios['floor']} (target <= 1.1x); {ratios['4 KiB floor']}"
+            f"{ratios['floor']} (target <= 1.1x); {ratios['huge-page floor']}"
         )
 
     print("\nsliced peak tensor bytes against final shard + largest slice:")

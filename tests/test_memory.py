@@ -1,5 +1,5 @@
-"""Fresh shard memory (runtime/memory.py): exact size, writable, and where it is mapped for
-huge pages, huge pages only inside the tensor and every byte returned when it is freed."""
+"""Fresh shard memory (runtime/memory.py): `prefault` makes a tensor's pages resident ahead of
+its read, and the tensor stays exactly its size and writable."""
 
 from __future__ import annotations
 
@@ -7,52 +7,29 @@ import pytest
 import torch
 
 from tpviz.runtime import memory
-from tpviz.runtime.memory import fresh_tensor
+from tpviz.runtime.memory import PREFAULT_MIN_BYTES, prefault
 
-KIB, MIB = 1 << 10, 1 << 20
-SLACK = 512 * KIB  # the interpreter's own allocations between two readings
+SLACK = 512 << 10  # the interpreter's own allocations between two readings
 
 
-def _anon() -> dict[str, int]:
-    """Anonymous and AnonHugePages bytes of this process, and the kernel's count of huge page
-    faults that fell back to small pages (fragmented memory)."""
-    fields = {}
+def _anonymous() -> int:
     with open("/proc/self/smaps_rollup", encoding="ascii") as f:
-        for line in f:
-            key = line.split(":")[0]
-            if key in ("Anonymous", "AnonHugePages"):
-                fields[key] = int(line.split()[1]) * KIB
-    with open("/proc/vmstat", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("thp_fault_fallback "):
-                fields["fallback"] = int(line.split()[1])
-    return fields
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("Anonymous:"))
 
 
-@pytest.mark.parametrize(
-    "shape",
-    [
-        (1283, 1031),  # 5 MiB and 300 KiB: two whole huge pages and a tail of 4 KiB pages
-        (300, 1031),  # 1.2 MiB: below one huge page
-        (7,),
-    ],
-)
-def test_fresh_tensor_is_exact_writable_and_returned_when_freed(shape):
-    nbytes = torch.Size(shape).numel() * 4
-    before = _anon()
-    t = fresh_tensor(list(shape), torch.float32)
-    assert t.shape == shape and t.dtype == torch.float32 and t.is_contiguous()
-    assert t.untyped_storage().nbytes() == nbytes  # the storage holds exactly the tensor
-    torch.arange(t.numel(), dtype=torch.float32, out=t.view(-1))  # written in place
-    written = _anon()
+@pytest.mark.parametrize("shape", [(1283, 1031), (7,)])  # 5.3 MiB, and below the minimum
+def test_prefault_makes_pages_resident_and_keeps_the_tensor_exact(shape):
+    # larger than malloc's largest mmap threshold: fresh pages of its own, freed on release
+    t = torch.empty((40 << 20) // 4 + 1, dtype=torch.float32)[: torch.Size(shape).numel()]
+    t = t.view(shape)
+    nbytes = t.numel() * 4
+    before = _anonymous()
+    prefault(t)
+    grown = _anonymous() - before
+    if nbytes >= PREFAULT_MIN_BYTES and memory._libc is not False:
+        assert -SLACK <= grown - nbytes <= SLACK  # resident before anything was written
+    else:
+        assert grown <= SLACK  # too small to bother, or no MADV_POPULATE_WRITE here
+    assert t.shape == shape and t.is_contiguous()
+    torch.arange(t.numel(), dtype=torch.float32, out=t.view(-1))
     assert torch.equal(t.view(-1), torch.arange(t.numel(), dtype=torch.float32))
-    # resident: the tensor's bytes in 4 KiB pages, not rounded up to a huge page
-    assert -SLACK <= written["Anonymous"] - before["Anonymous"] - nbytes <= SLACK
-    huge = memory._huge_page_size()
-    if not huge or nbytes < huge:
-        return  # from torch's allocator: malloc may keep freed memory for reuse
-    assert t.data_ptr() % huge == 0
-    if written.get("fallback") == before.get("fallback"):  # else memory was too fragmented
-        assert written["AnonHugePages"] - before["AnonHugePages"] >= nbytes // huge * huge
-    del t
-    assert abs(_anon()["Anonymous"] - before["Anonymous"]) <= SLACK

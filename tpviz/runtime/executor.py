@@ -28,7 +28,7 @@ from ..profiling import COLLECTIVE, COPY, READ, UNIT_PREFIX, no_span
 from ..strategies import Ledger
 from ..strategies.executor import Unit, plan_units
 from ..strategies.reads import Read, block_view, fill_part, own_reads, whole_reads
-from .memory import fresh_tensor
+from .memory import prefault
 from .parallelize import install, is_distributed, local_of
 from .staging import PinnedStager
 
@@ -99,12 +99,9 @@ class LoadContext:
         self, shape: list[int], dtype: str | torch.dtype, device: torch.device | str | None = None
     ) -> torch.Tensor:
         dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
-        device = torch.device(device or self.device)
-        if device.type == "cpu":
-            tensor = fresh_tensor(shape, dtype)
-        else:
-            tensor = torch.empty(shape, dtype=dtype, device=device)
+        tensor = torch.empty(shape, dtype=dtype, device=device or self.device)
         self.ledger.alloc(tensor.numel() * tensor.element_size())
+        prefault(tensor)
         return tensor
 
     def release(self, tensor: torch.Tensor) -> None:

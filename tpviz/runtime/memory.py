@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-import errno
-import math
 import mmap
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -17,104 +14,31 @@ import torch
 from ..events import Memory
 from ..strategies import Ledger
 
-MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
 PREFAULT_MIN_BYTES = 1 << 20
-HUGE_PAGE_SIZE_FILE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 _libc = None
-_unsupported: set[int] = set()  # advice this kernel refused once: not asked again
-_huge_page: int | None = None  # bytes of a transparent huge page; 0 where there are none
 
 
-def fresh_tensor(shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A new CPU tensor whose pages are ready for the read that fills it.
-
-    Where the kernel has transparent huge pages, a tensor of at least one huge page gets its
-    own private anonymous mapping, its start aligned to a huge page and marked MADV_HUGEPAGE:
-    the read then faults it in 2 MiB at a time, each page zeroed just before it is filled (512
-    times fewer faults than 4 KiB pages, and faster than populating huge pages ahead, whose
-    zeroing leaves the cache cold; about 2x the rate of populated 4 KiB pages here). Huge
-    pages lie only inside the tensor (the tail past the last whole one is populated as 4 KiB
-    pages; the alignment slack before it is never touched), so its resident set is its bytes
-    rounded up to 4 KiB, and unmapping it when it is freed returns them all. Smaller tensors,
-    and all without huge pages, are populated with one MADV_POPULATE_WRITE call where the
-    kernel has it, rather than a fault per 4 KiB page. Each advice is a hint: dropped where
-    the kernel refuses it."""
-    numel = math.prod(shape)
-    nbytes = numel * dtype.itemsize
-    huge = _huge_page_size()
-    if not huge or nbytes < huge or not _load_libc():
-        tensor = torch.empty(shape, dtype=dtype)
-        if nbytes >= PREFAULT_MIN_BYTES:
-            populate(tensor)
-        return tensor
-    # the tensor's storage holds the mapping; freeing the tensor unmaps it
-    region = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    base = torch.frombuffer(region, dtype=torch.uint8).data_ptr()
-    offset = _round_up(base, huge) - base
-    tensor = torch.frombuffer(region, dtype=dtype, count=numel, offset=offset).view(shape)
-    start, end = _pages(tensor)
-    whole = start + (end - start) // huge * huge
-    if not _advise(start, whole, MADV_HUGEPAGE):
-        whole = start
-    _advise(whole, end, MADV_POPULATE_WRITE)
-    return tensor
-
-
-def populate(tensor: torch.Tensor) -> None:
-    """Fault in all of a fresh CPU tensor's pages now (as 4 KiB pages unless it lies in a
-    region marked for huge pages)."""
-    if _load_libc():
-        _advise(*_pages(tensor), MADV_POPULATE_WRITE)
-
-
-def _pages(tensor: torch.Tensor) -> tuple[int, int]:
-    """The whole pages inside a tensor's bytes: [start, end) addresses."""
-    end = (tensor.data_ptr() + tensor.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    return _round_up(tensor.data_ptr(), mmap.PAGESIZE), end
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _load_libc() -> bool:
+def prefault(tensor: torch.Tensor) -> None:
+    """Fault in a fresh CPU tensor's pages with one madvise(MADV_POPULATE_WRITE) call rather
+    than one page fault per 4 KiB page as a read first writes them (about a third faster for
+    large reads here). A no-op for small tensors and where the kernel lacks it."""
     global _libc
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type != "cpu" or nbytes < PREFAULT_MIN_BYTES or _libc is False:
+        return
     if _libc is None:
         # the symbols already loaded into this process (libc's among them): find_library
         # would run ldconfig in a subprocess, tens of milliseconds inside the first load
         _libc = ctypes.CDLL(None, use_errno=True)
-        if hasattr(_libc, "madvise"):
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        else:
+        if not hasattr(_libc, "madvise"):
             _libc = False
-    return _libc is not False
-
-
-def _advise(start: int, end: int, advice: int) -> bool:
-    """madvise(start, end - start, advice) on whole pages; False if empty or refused."""
-    if end <= start or advice in _unsupported:
-        return False
-    if _libc.madvise(start, end - start, advice) != 0:
-        if ctypes.get_errno() == errno.EINVAL:
-            _unsupported.add(advice)  # unknown to this kernel (older, or no THP): stop asking
-        return False
-    return True
-
-
-def _huge_page_size() -> int:
-    """Bytes of a transparent huge page, 0 where the kernel has none (or they are off)."""
-    global _huge_page
-    if _huge_page is None:
-        try:
-            with open(HUGE_PAGE_SIZE_FILE, encoding="ascii") as f:
-                _huge_page = int(f.read())
-            with open(os.path.dirname(HUGE_PAGE_SIZE_FILE) + "/enabled", encoding="ascii") as f:
-                if "[never]" in f.read():
-                    _huge_page = 0
-        except (OSError, ValueError):
-            _huge_page = 0
-    return _huge_page
+            return
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (tensor.data_ptr() + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start and _libc.madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
+        _libc = False  # not supported here: stop trying
 
 
 def _status_bytes(field: str) -> int | None:
