@@ -122,8 +122,8 @@ def main() -> None:
         tensors, forward = [*loaded.model.parameters(), *loaded.model.buffers()], loaded.forward
     else:
         huge = which == "floor-huge"
-        out = floor_load(source, shard_bytes, rank, dist.get_world_size(), huge)
-        tensors = [out.view(torch.float32)]
+        memory = floor_load(source, shard_bytes, rank, dist.get_world_size(), huge)
+        tensors = [memory.view(torch.float32)]
     touched = touch(tensors)
     own = time.perf_counter() - start
     dist.barrier()
