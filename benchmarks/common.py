@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import mmap
 import os
 import statistics
 import time
@@ -36,11 +38,18 @@ def parse_args(description: str) -> tuple[argparse.Namespace, Path]:
     return args, Path(args.source) if args.source else demo_checkpoint("medium")
 
 
-def floor_load(source: str, nbytes: int, rank: int, world_size: int) -> torch.Tensor:
+def floor_load(
+    source: str, nbytes: int, rank: int, world_size: int, huge_pages: bool = False
+) -> torch.Tensor:
     """Fresh memory for `nbytes`, filled with `nbytes` of the checkpoint files' concatenated
-    bytes (rank 0 from the start, the last rank up to the end: all are in the page cache)."""
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    prefault(out)
+    bytes (rank 0 from the start, the last rank up to the end: all are in the page cache).
+    The memory is made as tpviz makes a shard's (`prefault`: 4 KiB pages populated), or
+    (`huge_pages`) backed by transparent huge pages."""
+    if huge_pages:
+        out = huge_page_tensor(nbytes)
+    else:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        prefault(out)
     view = memoryview(out.numpy())
     files = Checkpoint.open(source).files
     total = sum(os.path.getsize(f) for f in files)
@@ -66,12 +75,27 @@ def floor_load(source: str, nbytes: int, rank: int, world_size: int) -> torch.Te
     return out
 
 
-def floor_in_rank(loaded, source: str, per_rank_bytes: list[int]) -> float:
+def huge_page_tensor(nbytes: int) -> torch.Tensor:
+    """`nbytes` of fresh memory in a private mapping of its own, aligned to a huge page and
+    marked MADV_HUGEPAGE: faulted in 2 MiB at a time as it is filled (where the kernel has
+    transparent huge pages; as 4 KiB pages elsewhere). Unmapped when the tensor is freed."""
+    huge = 2 << 20
+    region = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(region, dtype=torch.uint8).data_ptr()
+    offset = -base % huge
+    with contextlib.suppress(AttributeError, OSError):  # a hint: not every kernel has it
+        region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // huge * huge)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+def floor_in_rank(
+    loaded, source: str, per_rank_bytes: list[int], huge_pages: bool = False
+) -> float:
     """Seconds of the floor inside a loaded job's rank (`job.call`): the ranks' own processes,
     all at once, as they load."""
     rank = dist.get_rank()
     start = time.perf_counter()
-    out = floor_load(source, per_rank_bytes[rank], rank, len(per_rank_bytes))
+    out = floor_load(source, per_rank_bytes[rank], rank, len(per_rank_bytes), huge_pages)
     seconds = time.perf_counter() - start
     del out
     return seconds

@@ -2,10 +2,13 @@
 transformers' `from_pretrained(tp_plan="auto")`, with tpviz's `load_sharded`, or do only the
 floor of any loader that owns its memory, timing and measuring inside the rank the same way.
 
-    torchrun --nproc-per-node 2 benchmarks/peer_rank.py {transformers|tpviz|floor} SOURCE OUT.json
+    torchrun --nproc-per-node 2 benchmarks/peer_rank.py {transformers|tpviz|floor|floor-huge} \
+        SOURCE OUT.json
 
-`floor` takes fresh memory for exactly the bytes tpviz's plan gives this rank and copies that
-many checkpoint bytes into it with large reads: no model, no plan, no per-tensor work.
+`floor` takes fresh memory for exactly the bytes tpviz's plan gives this rank, made as tpviz
+makes a shard's (4 KiB pages populated), and copies that many checkpoint bytes into it with
+large reads: no model, no plan, no per-tensor work. `floor-huge` does the same in memory
+backed by transparent huge pages.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if which == "floor":
+    if which.startswith("floor"):
         shard_bytes = tpviz.resolve_plan(source, dist.get_world_size()).per_rank_bytes[rank]
     dist.barrier()
     split = Split() if which == "tpviz" else None
@@ -118,7 +121,9 @@ def main() -> None:
         call = time.perf_counter() - start
         tensors, forward = [*loaded.model.parameters(), *loaded.model.buffers()], loaded.forward
     else:
-        tensors = [floor_load(source, shard_bytes, rank, dist.get_world_size()).view(torch.float32)]
+        huge = which == "floor-huge"
+        memory = floor_load(source, shard_bytes, rank, dist.get_world_size(), huge)
+        tensors = [memory.view(torch.float32)]
     touched = touch(tensors)
     own = time.perf_counter() - start
     dist.barrier()
