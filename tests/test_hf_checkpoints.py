@@ -162,6 +162,7 @@ def test_stacked_experts_list_their_checkpoint_tensors(hf_checkpoints):
 EXPERT_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts",  # sums the ranks' partial outputs
     "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
     "layers.*.mlp.experts.down_proj": "rowwise",
     "embed_tokens": "embedding_rowwise",
