@@ -338,15 +338,16 @@ def load_sharded(
     weights). With `events_dir`, each rank writes its events to `rank{r}.jsonl` there.
     `kv_replication` and `experts` choose as in `resolve_plan`.
     """
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    local = rank_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = local.type == "cuda"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=local if cuda else None)
     choices = dict(dtype=dtype, model=model, kv_replication=kv_replication, experts=experts)
     resolved, found = _resolve_on_rank0(source, plan, choices)
     options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
     sink = EventSink(dist.get_rank(), events_dir=events_dir)
     try:
-        return load_in_group(resolved, options, sink, rank_device(device), found)
+        return load_in_group(resolved, options, sink, local, found)
     finally:
         sink.close()
 

@@ -124,14 +124,15 @@ class MemorySampler:
         rss = self._process.memory_info().rss
         if self.peak is not None:
             self.peak.observe(rss)
+        allocated, reserved = _cuda_bytes(self.cuda) if self.cuda else (None, None)
         event = Memory(
             self.rank,
             time.time(),
             rss=rss,
             rss_anon=rss_anon(),
             tensor_bytes=self.ledger.current,
-            cuda_allocated=torch.cuda.memory_allocated(self.cuda) if self.cuda else None,
-            cuda_reserved=torch.cuda.memory_reserved(self.cuda) if self.cuda else None,
+            cuda_allocated=allocated,
+            cuda_reserved=reserved,
         )
         self.emit(event)
         return event
@@ -155,3 +156,15 @@ class MemorySampler:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+
+def _cuda_bytes(device: torch.device) -> tuple[int, int]:
+    """The caching allocator's allocated and reserved bytes on `device`. Read from the nested
+    stats: `torch.cuda.memory_allocated` flattens every statistic first, about a millisecond
+    a call, which at one sample per module was a third of a medium model's load on an H200."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)  # empty before CUDA's first use
+
+    def current(kind: str) -> int:
+        return stats.get(kind, {}).get("all", {}).get("current", 0)
+
+    return current("allocated_bytes"), current("reserved_bytes")

@@ -55,6 +55,7 @@ def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=spec.timeout),
+            device_id=device if device.type == "cuda" else None,
         )
         while True:
             loaded = load_in_group(spec.plan, spec.options, sink, device)
