@@ -43,7 +43,7 @@ def floor_load(
 ) -> torch.Tensor:
     """Fresh memory for `nbytes`, filled with `nbytes` of the checkpoint files' concatenated
     bytes (rank 0 from the start, the last rank up to the end: all are in the page cache).
-    The memory is made as tpviz makes a shard's (`prefault`: 4 KiB pages populated), or
+    The memory is made as tpviz makes a shard's (torch's allocator, then `prefault`), or
     (`huge_pages`) backed by transparent huge pages."""
     if huge_pages:
         out = huge_page_tensor(nbytes)

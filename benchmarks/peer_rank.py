@@ -6,9 +6,9 @@ floor of any loader that owns its memory, timing and measuring inside the rank t
         SOURCE OUT.json
 
 `floor` takes fresh memory for exactly the bytes tpviz's plan gives this rank, made as tpviz
-makes a shard's (4 KiB pages populated), and copies that many checkpoint bytes into it with
-large reads: no model, no plan, no per-tensor work. `floor-huge` does the same in memory
-backed by transparent huge pages.
+makes a shard's (torch's allocator, pages populated), and copies that many checkpoint bytes
+into it with large reads: no model, no plan, no per-tensor work. `floor-huge` does the same in
+a mapping of its own marked for transparent huge pages.
 """
 
 from __future__ import annotations

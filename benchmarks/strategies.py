@@ -13,8 +13,9 @@ bytes sent/received, with ratios to sliced. Then:
 - each sliced rank's `seconds` against the floor of a loader that owns its memory (fresh
   memory for exactly the rank's bytes, filled from the page cache by large reads), measured
   in every round right after the sliced load, inside the same rank processes, all at once:
-  its memory made as tpviz makes a shard's (4 KiB pages populated), and again backed by
-  transparent huge pages;
+  its memory made as tpviz makes a shard's (torch's allocator, which in the ranks marks large
+  allocations for huge pages unless THP_MEM_ALLOC_ENABLE=0; pages populated), and again in a
+  mapping of its own marked for transparent huge pages;
 - the check that each sliced rank's peak tensor bytes stay within its final shard plus the
   largest single slice it reads;
 - what profiling off costs: the no-op span calls of one load, timed.
@@ -131,8 +132,8 @@ def main() -> None:
     print(
         "\nsliced rank seconds (tpviz load --json `seconds`: allocation included) against the "
         "floor (fresh memory for exactly the rank's bytes, filled from the page cache), "
-        "measured in the same rounds: the floor's memory made as tpviz makes it (4 KiB pages "
-        "populated), and backed by transparent huge pages:"
+        "measured in the same rounds: the floor's memory made as tpviz makes it (torch's "
+        "allocator, pages populated), and in a mapping of its own marked for huge pages:"
     )
     for rank in range(w):
         ratios = {}

@@ -10,8 +10,10 @@ allocation (fresh memory for the shards, faulted in), reads, wrapping (DTensor p
 and checks (shards against the plan) by timers around the functions doing each. A third run
 in each round, `floor`, only takes fresh memory for the bytes tpviz's plan gives each rank and
 copies them in from the checkpoint: the least any loader that owns its shards' memory must do
-on this machine (its memory made as tpviz makes a shard's: 4 KiB pages populated); a fourth,
-`floor-huge`, does the same in memory backed by transparent huge pages.
+on this machine (its memory made as tpviz makes a shard's: torch's allocator, pages populated);
+a fourth, `floor-huge`, does the same in a mapping of its own marked for transparent huge
+pages. Every run has THP_MEM_ALLOC_ENABLE=1 (torch's allocator marks its large allocations for
+huge pages, as in tpviz's spawned ranks); run with THP_MEM_ALLOC_ENABLE=0 for 4 KiB pages.
 Needs `pip install -e '.[bench]'`.
 
     python benchmarks/vs_transformers.py [SOURCE] [--world-size 2] [--rounds 3]
@@ -34,6 +36,7 @@ from common import gib, median, parse_args
 HERE = Path(__file__).resolve().parent
 LOADERS = ("transformers", "tpviz", "floor", "floor-huge")
 PARTS = ("imports", "plan", "skeleton", "allocation", "reads", "wrapping", "checks")
+THP = os.environ.get("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def run(which: str, source: Path, world_size: int, out: Path) -> list[dict]:
@@ -43,6 +46,9 @@ def run(which: str, source: Path, world_size: int, out: Path) -> list[dict]:
         "GLOO_SOCKET_IFNAME": "lo",
         "PYTHONWARNINGS": "ignore",
         "TMPDIR": str(out.parent),
+        # torch's huge-page switch, as the README asks torchrun users to set it (it is read as
+        # torch loads, so only the launch can set it); the same for every loader
+        "THP_MEM_ALLOC_ENABLE": THP,
     }
     subprocess.run(
         [
@@ -77,7 +83,7 @@ def main() -> None:
     size = sum(f.stat().st_size for f in source.glob("*.safetensors"))
     print(
         f"{source} ({size / 1e6:.0f} MB), world size {args.world_size}, {os.cpu_count()} "
-        f"CPU cores, {args.rounds} alternating rounds"
+        f"CPU cores, {args.rounds} alternating rounds, THP_MEM_ALLOC_ENABLE={THP} in every run"
     )
     runs: dict[str, list[list[dict]]] = {w: [] for w in LOADERS}
     with tempfile.TemporaryDirectory() as tmp:
