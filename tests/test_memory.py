@@ -4,6 +4,7 @@ allocator backs shards of 2 MiB and more with huge pages (processes.RANK_ENVIRON
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import pytest
@@ -25,11 +26,17 @@ def _anonymous() -> int:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("Anonymous:"))
 
 
+def _fresh_floats(count: int) -> torch.Tensor:
+    """`count` float32 in a private anonymous mapping of their own: no page resident before it
+    is touched (malloc may serve even a large tensor from heap memory touched before)."""
+    region = mmap.mmap(-1, count * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("shape", [(1283, 1031), (7,)])  # 5.3 MiB, and below the minimum
 def test_prefault_makes_pages_resident_and_keeps_the_tensor_exact(shape):
-    # larger than malloc's largest mmap threshold: fresh pages of its own, freed on release
-    t = torch.empty((40 << 20) // 4 + 1, dtype=torch.float32)[: torch.Size(shape).numel()]
-    t = t.view(shape)
+    numel = torch.Size(shape).numel()
+    t = _fresh_floats(numel + 2)[1 : 1 + numel].view(shape)  # neither end on a page boundary
     nbytes = t.numel() * 4
     before = _anonymous()
     prefault(t)
