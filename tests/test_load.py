@@ -68,8 +68,10 @@ def test_startup_phases_name_each_phase_and_add_up_to_the_startup(job2):
     phases = r["startup_phases"]
     assert list(phases) == ["process_start", "imports", "process_group", "skeleton"]
     assert all(seconds >= 0 for seconds in phases.values())
-    assert sum(phases.values()) <= r["startup_seconds"] + 1e-9
-    assert phases["imports"] > 0  # torch is imported in every rank: never free
+    assert sum(phases.values()) == pytest.approx(r["startup_seconds"])
+    # a rank is heard only after it started; its own imports may take no time at all (forked
+    # from a server that imported torch; the launcher can hear it first with that phase passed)
+    assert phases["process_start"] > 0
 
 
 def test_result_is_typed_and_its_json_is_the_mapping(job2):
