@@ -1,4 +1,4 @@
-"""CUDA check and throughput, for a machine with GPUs; self-contained, about a minute.
+"""CUDA check and throughput, for a machine with GPUs; self-contained, about 1.5 minutes.
 
 Checks (a PASS or FAIL line each), at world size 1 on cuda, and 2 with nccl where there are
 two GPUs:
@@ -7,7 +7,8 @@ two GPUs:
   reference, its shards match the plan, the loader's peak tensor bytes equal the
   forecast to the byte (which counts the two staged chunks in flight), and each rank's last
   memory sample has at least its shards' bytes allocated on the GPU;
-Throughput, sliced at world size 1 on the medium demo (640 MB float32), page cache warm:
+Throughput, sliced at world size 1, page cache warm, on the medium demo (640 MB float32 in 75
+tensors) and on a wide one (3.9 GB in 40 tensors):
 - the load's GB/s (shard bytes / the rank's `seconds`, best of 3 on fresh ranks and of 3
   reloads on warm ones) beside, measured in the same run (best of 3) on
   the same number of bytes: a plain pinned host-to-device copy (`copy_(non_blocking)` from
@@ -34,6 +35,9 @@ from tpviz.checkpoint import Checkpoint
 from tpviz.events import Memory
 
 failures = 0
+# the medium preset with 7B-like widths and 4 layers: 3.9 GB float32 in 40 tensors of up to
+# 180 MB, where the per-tensor work around the reads weighs little
+WIDE = dict(hidden=4096, intermediate=11008, layers=4, heads=32, kv_heads=8)
 
 
 def check(ok: bool, what: str) -> None:
@@ -116,6 +120,7 @@ def load_seconds(source: Path, plan, repeat: int = 3) -> tuple[float, float]:
 def throughput(source: Path) -> None:
     plan = tpviz.resolve_plan(source, 1)
     nbytes = plan.per_rank_bytes[0]
+    tensors = len(plan.params)
     fresh, warm = load_seconds(source, plan)
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     pinned.fill_(1)
@@ -124,7 +129,8 @@ def throughput(source: Path) -> None:
     read = best_of(lambda: read_files(source, memoryview(pinned.numpy())))
     slower = max(h2d, read)
     print(
-        f"medium sliced on cuda, {nbytes / 1e9:.2f} GB, best of 3: load on fresh ranks "
+        f"{source.name} sliced on cuda, {nbytes / 1e9:.2f} GB in {tensors} tensors, best of 3: "
+        f"load on fresh ranks "
         f"{nbytes / fresh / 1e9:.2f} GB/s ({fresh:.3f} s), on warm ranks "
         f"{nbytes / warm / 1e9:.2f} GB/s ({warm:.3f} s); plain pinned H2D copy "
         f"{nbytes / h2d / 1e9:.2f} GB/s; page-cache read into pinned memory "
@@ -148,6 +154,7 @@ def main() -> int:
         for world in sorted({1, min(2, torch.cuda.device_count())}):
             loads(sources, world)
         throughput(sources["medium"])
+        throughput(tpviz.make_checkpoint(Path(tmp) / "wide", "medium", **WIDE))
     print(f"{'all PASS' if not failures else f'{failures} FAIL'}")
     return 1 if failures else 0
 
