@@ -140,7 +140,8 @@ def _missing_defaults() -> dict[str, str]:
 
 @contextlib.contextmanager
 def _environ(values: dict[str, str]) -> Iterator[None]:
-    """This process's environment with `values` set, restored afterwards."""
+    """This process's environment with `values` set, restored afterwards (what
+    `unittest.mock.patch.dict` does, whose import costs the CLI's start about 60 ms)."""
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:

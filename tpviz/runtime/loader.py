@@ -60,6 +60,15 @@ class ShardedModel:
         return shard_report(self.model, self.plan, self.rank)
 
 
+def init_group(device: torch.device, **kwargs: Any) -> None:
+    """The default process group for a rank on `device`: nccl bound to its GPU, or gloo on
+    CPU; `kwargs` go to `init_process_group` (rendezvous, rank, timeout)."""
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device, **kwargs)
+    else:
+        dist.init_process_group("gloo", **kwargs)
+
+
 def rank_device(device: str) -> torch.device:
     if device == "cuda":
         index = int(os.environ.get("LOCAL_RANK", "0"))
@@ -339,9 +348,8 @@ def load_sharded(
     `kv_replication` and `experts` choose as in `resolve_plan`.
     """
     local = rank_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cuda = local.type == "cuda"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=local if cuda else None)
+        init_group(local)
     choices = dict(dtype=dtype, model=model, kv_replication=kv_replication, experts=experts)
     resolved, found = _resolve_on_rank0(source, plan, choices)
     options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)

@@ -30,7 +30,7 @@ from ..events import Error, Phase, RankPhase
 from ..messages import Command, CommandName, Reply
 from .channel import Channel
 from .executor import LoadFailure
-from .loader import ShardedModel, load_in_group, rank_device
+from .loader import ShardedModel, init_group, load_in_group, rank_device
 from .options import WorkerSpec
 from .sink import EventSink
 
@@ -49,13 +49,12 @@ def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
     try:
         sink.emit(Phase(rank, time.time(), name=RankPhase.STARTING))
         device = rank_device(spec.device)
-        dist.init_process_group(
-            "nccl" if spec.device == "cuda" else "gloo",
+        init_group(
+            device,
             init_method=f"file://{spec.rendezvous}",
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=spec.timeout),
-            device_id=device if device.type == "cuda" else None,
         )
         while True:
             loaded = load_in_group(spec.plan, spec.options, sink, device)
