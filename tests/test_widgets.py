@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 import time
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import tpviz
 from tpviz.events import Done, Memory, Phase, UnitDone, UnitStart
 from tpviz.format import count, layer_of
+from tpviz.job import LoadJob
 from tpviz.plan import RankShard, TensorPlan, forecast, local_shape, resolve_plan, shard_blocks
 from tpviz.report import html_report, write_html_report
 from tpviz.widgets import figures
@@ -370,13 +372,32 @@ def test_plan_view_world_size_control_resolves_live(tiny):
 
 @pytest.fixture(scope="module")
 def monitored(tiny, tmp_path_factory):
-    """One verified 2-rank load, watched from the start and written to an events dir."""
+    """One verified 2-rank load, watched from the start and written to an events dir. The job
+    takes in none of its ranks' messages until the monitor's constructor has returned (on a
+    busy machine a tiny load can otherwise end while widgets are built), so the job is still
+    starting then, unless the constructor waits for it: it would then never return, which
+    the bound on its thread catches."""
     events_dir = tmp_path_factory.mktemp("events")
-    job = tpviz.launch(tiny, 2, verify=True, timeout=WAIT, events_dir=events_dir)
-    start = time.monotonic()
-    monitor = tpviz.LoadMonitor(job)
-    built = time.monotonic() - start
-    state_after_constructor = job.state
+    constructed = threading.Event()
+    handle = LoadJob._handle
+
+    def held(job, rank, message):
+        constructed.wait(WAIT)
+        handle(job, rank, message)
+
+    made: list[tpviz.LoadMonitor] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LoadJob, "_handle", held)
+        job = tpviz.launch(tiny, 2, verify=True, timeout=WAIT, events_dir=events_dir)
+        start = time.monotonic()
+        maker = threading.Thread(target=lambda: made.append(tpviz.LoadMonitor(job)))
+        maker.start()
+        maker.join(WAIT)
+        built = time.monotonic() - start
+        state_after_constructor = job.state
+        constructed.set()
+    assert made, "LoadMonitor(job) did not return while the job was held"
+    monitor = made[0]
     monitor.wait(WAIT)
     yield job, monitor, built, state_after_constructor, events_dir
     job.shutdown()
