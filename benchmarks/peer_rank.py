@@ -36,7 +36,7 @@ class Split:
         "imports": (builtins, "__import__"),
         "plan": ("tpviz.runtime.loader", "_resolve_on_rank0"),  # rank 0 resolves, others wait
         "skeleton": ("tpviz.runtime.loader", "_prepare"),
-        "allocation": ("tpviz.runtime.executor.LoadContext", "empty"),
+        "allocation": ("tpviz.runtime.executor.LoadContext", "shard"),
         "reads": ("tpviz.runtime.executor", "read_into"),
         "wrapping": ("tpviz.runtime.executor.LoadContext", "install"),
         "checks": ("tpviz.runtime.loader", "_rank_result"),  # shards against the plan

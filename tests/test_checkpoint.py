@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tpviz import checkpoint
 from tpviz.checkpoint import BlockReader, Checkpoint, CheckpointError, contiguous_runs, read_header
 
 
@@ -105,10 +106,15 @@ def test_block_read_of_columns_matches_safetensors_get_slice(tiny):
 
 
 def test_contiguous_runs_merge_whole_trailing_dims():
-    assert contiguous_runs((4, 6), (1, 0), (2, 6)) == (12, [6])  # whole rows: one run
-    assert contiguous_runs((4, 6), (0, 2), (3, 2)) == (2, [2, 8, 14])  # a column block
-    assert contiguous_runs((2, 3, 4), (1, 0, 0), (1, 3, 4)) == (12, [12])
-    assert contiguous_runs((4, 6), (0, 0), (0, 6)) == (0, [])
+    def runs(*block):
+        run, starts = contiguous_runs(*block)
+        return run, starts.tolist()
+
+    assert runs((4, 6), (1, 0), (2, 6)) == (12, [6])  # whole rows: one run
+    assert runs((4, 6), (0, 2), (3, 2)) == (2, [2, 8, 14])  # a column block
+    assert runs((2, 3, 4), (1, 0, 0), (1, 3, 4)) == (12, [12])
+    assert runs((2, 3, 4), (0, 1, 2), (2, 2, 1)) == (1, [6, 10, 18, 22])  # rows vary fastest
+    assert runs((4, 6), (0, 0), (0, 6)) == (0, [])
 
 
 def test_truncated_file_names_file_and_tensor(tmp_path):
@@ -150,24 +156,20 @@ def test_reading_never_opens_for_writing(tiny):
 
 
 def _counting_preadv(monkeypatch, limit: int | None = None) -> list[int]:
-    """Count os.preadv calls; with `limit`, each call reads at most that many bytes, as a
-    filesystem may (short reads)."""
+    """Count the reader's preadv calls; with `limit`, each call reads at most that many bytes,
+    as a filesystem may (short reads)."""
     calls: list[int] = []
-    real = os.preadv
+    real = checkpoint.preadv
 
-    def preadv(fd, buffers, position):
-        if limit is not None:
-            kept, room = [], limit
-            for b in buffers:
-                if room <= 0:
-                    break
-                kept.append(memoryview(b)[:room])
-                room -= len(kept[-1])
-            buffers = kept
+    def preadv(fd, iovecs, position):
+        if limit is not None:  # the iovecs cut to the first `limit` bytes
+            starts = np.cumsum(iovecs["len"]) - iovecs["len"]
+            iovecs = iovecs[starts < limit].copy()
+            iovecs["len"] = np.minimum(iovecs["len"], limit - starts[: len(iovecs)])
         calls.append(position)
-        return real(fd, buffers, position)
+        return real(fd, iovecs, position)
 
-    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(checkpoint, "preadv", preadv)
     return calls
 
 

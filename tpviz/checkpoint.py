@@ -1,7 +1,7 @@
 """safetensors checkpoints: metadata from the headers alone, and reads of rectangular blocks.
 
 Metadata comes from the headers only (validated in safetensors_header.py); an index may name
-only files inside its own directory. Block reads use `os.preadv` straight into memory the
+only files inside its own directory. Block reads use `preadv` straight into memory the
 caller owns: no mmap, so no checkpoint pages stay resident in the reading process. Files are
 opened read-only.
 """
@@ -14,10 +14,12 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .inputs import read_json, stat_path
 from .safetensors_header import CheckpointError, TensorInfo, dtype_name, read_header, torch_dtype
+from .syscalls import IOVEC, preadv
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -164,26 +166,26 @@ def _merge(headers) -> dict[str, TensorInfo]:
 
 def contiguous_runs(
     global_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]
-) -> tuple[int, list[int]]:
+) -> tuple[int, np.ndarray]:
     """Split a block of a row-major tensor into runs that are contiguous in the file.
 
     Returns (elements per run, element index of each run's start), in block order, so the
     runs fill a contiguous buffer of `shape` one after another.
     """
     if any(s == 0 for s in shape):
-        return 0, []
+        return 0, np.empty(0, dtype=np.int64)
     ndim = len(global_shape)
     if ndim == 0:  # a scalar (0-dim) tensor is one run of one element
-        return 1, [0]
+        return 1, np.zeros(1, dtype=np.int64)
     # dims after `split` are whole; the run covers dim `split` of the block and all dims after
     split = ndim - 1
     while split > 0 and offset[split] == 0 and shape[split] == global_shape[split]:
         split -= 1
     strides = [math.prod(global_shape[d + 1 :]) for d in range(ndim)]
-    starts = [offset[split] * strides[split]]
+    starts = np.array([offset[split] * strides[split]], dtype=np.int64)
     for d in range(split):  # outer dims first, so the last one varies fastest
-        step, first = strides[d], offset[d] * strides[d]
-        starts = [s + first + i * step for s in starts for i in range(shape[d])]
+        rows = (offset[d] + np.arange(shape[d], dtype=np.int64)) * strides[d]
+        starts = (starts[:, None] + rows).ravel()
     return shape[split] * strides[split], starts
 
 
@@ -193,15 +195,16 @@ class BlockReader:
     The runs of a block go to the kernel as few `preadv` calls as possible: runs separated in
     the file by at most `MAX_GAP_BYTES` share one call, the gap landing in a small scratch
     buffer that is then dropped (the kernel reads whole pages anyway). A column block of a
-    large matrix thus costs a few calls, not one per row.
+    large matrix thus costs a few calls, not one per row, and its iovecs are built with numpy
+    (tpviz.syscalls), not one Python object per row.
     """
 
     MAX_GAP_BYTES = 8192  # above this, one more syscall costs less than copying the gap
 
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}
-        self._scratch = memoryview(bytearray(self.MAX_GAP_BYTES))
-        self._max_buffers = min(os.sysconf("SC_IOV_MAX"), 1024)
+        self._scratch = np.empty(self.MAX_GAP_BYTES, dtype=np.uint8)
+        self._runs_per_call = min(os.sysconf("SC_IOV_MAX"), 1024) // 2  # each with its gap
 
     def read_block(
         self,
@@ -217,20 +220,20 @@ class BlockReader:
             tuple(out.shape) != tuple(shape)
             or not out.is_contiguous()
             or out.dtype != info.torch_dtype
+            or out.device.type != "cpu"
         ):
             raise ValueError(
-                f"read buffer for {info.name} must be a contiguous {shape} {info.dtype}"
+                f"read buffer for {info.name} must be a contiguous {shape} {info.dtype} on the CPU"
             )
         if len(offset) != len(info.shape) or any(
             o < 0 or o + s > d for o, s, d in zip(offset, shape, info.shape)
         ):
             raise ValueError(f"block {offset}+{shape} lies outside {info.name} {list(info.shape)}")
         run, starts = contiguous_runs(info.shape, offset, shape)
-        if not starts:
-            return out
-        itemsize = out.element_size()
-        view = memoryview(out.view(-1).view(torch.uint8).numpy())
-        self._read_runs(info, view, run * itemsize, [info.start + s * itemsize for s in starts])
+        if len(starts):
+            itemsize = out.element_size()
+            positions = info.start + starts * itemsize
+            self._read_runs(info, out.data_ptr(), run * itemsize, positions)
         return out
 
     def read_full(self, info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -243,30 +246,31 @@ class BlockReader:
         return fd
 
     def _read_runs(
-        self, info: TensorInfo, view: memoryview, run_bytes: int, positions: list[int]
+        self, info: TensorInfo, address: int, run_bytes: int, positions: np.ndarray
     ) -> None:
-        """Fill `view` with runs of `run_bytes` read from `positions` of `info.file`."""
-        fd, count, i = self._fd(info.file), len(positions), 0
-        while i < count:
-            first = positions[i]
-            end = first + run_bytes
-            buffers = [view[i * run_bytes : (i + 1) * run_bytes]]
-            i += 1
-            while i < count and len(buffers) < self._max_buffers - 1:
-                gap = positions[i] - end
-                if gap > self.MAX_GAP_BYTES:
-                    break
-                if gap:
-                    buffers.append(self._scratch[:gap])
-                buffers.append(view[i * run_bytes : (i + 1) * run_bytes])
-                end = positions[i] + run_bytes
-                i += 1
-            self._preadv(fd, buffers, first, end - first, info)
+        """Fill the memory at `address` with runs of `run_bytes` read from `positions` of
+        `info.file`, one after another (the caller checked it holds them all)."""
+        fd, count = self._fd(info.file), len(positions)
+        gaps = np.diff(positions) - run_bytes
+        first = 0
+        for stop in [*(np.flatnonzero(gaps > self.MAX_GAP_BYTES) + 1).tolist(), count]:
+            for a in range(first, stop, self._runs_per_call):  # the runs [a, b) share a call
+                b = min(stop, a + self._runs_per_call)
+                iovecs = np.empty(2 * (b - a) - 1, dtype=IOVEC)
+                iovecs["base"][0::2] = address + np.arange(a, b, dtype=np.uintp) * run_bytes
+                iovecs["len"][0::2] = run_bytes
+                iovecs["base"][1::2] = self._scratch.ctypes.data
+                iovecs["len"][1::2] = gaps[a : b - 1]
+                nbytes = int(positions[b - 1] - positions[a]) + run_bytes
+                self._read_fully(fd, iovecs, int(positions[a]), nbytes, info)
+            first = stop
 
     @staticmethod
-    def _preadv(fd: int, buffers: list, position: int, nbytes: int, info: TensorInfo) -> None:
+    def _read_fully(
+        fd: int, iovecs: np.ndarray, position: int, nbytes: int, info: TensorInfo
+    ) -> None:
         while True:
-            n = os.preadv(fd, buffers, position)
+            n = preadv(fd, iovecs, position)
             if n == nbytes:
                 return
             if n == 0:
@@ -276,10 +280,14 @@ class BlockReader:
                     info.file,
                     info.name,
                 )
+            # a short read: go on after the bytes that came
             position, nbytes = position + n, nbytes - n
-            while n >= len(buffers[0]):  # a short read: go on after the bytes that came
-                n -= len(buffers.pop(0))
-            buffers[0] = buffers[0][n:]
+            ends = np.cumsum(iovecs["len"])
+            filled = int(np.searchsorted(ends, n, side="right"))  # iovecs wholly filled
+            iovecs = iovecs[filled:].copy()
+            into = n - (int(ends[filled - 1]) if filled else 0)
+            iovecs["base"][0] += into
+            iovecs["len"][0] -= into
 
     def close(self) -> None:
         for fd in self._fds.values():

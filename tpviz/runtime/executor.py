@@ -1,7 +1,8 @@
 """The real executor of a strategy's steps inside one rank: reads, torch.distributed, and the
 tensor-byte ledger that the forecast is compared with.
 
-Every allocation goes through `LoadContext.empty` / `release`, which keep the ledger; the
+Every allocation goes through `LoadContext.shard` (a rank's final shards: on the CPU, views of
+one block, runtime/arena.py) or `empty` / `release`, which keep the ledger; the
 strategies (tpviz/strategies/) call only the operations of `tpviz.strategies.Executor`, and
 the forecast runs those same steps over a counting executor.
 """
@@ -28,8 +29,9 @@ from ..profiling import COLLECTIVE, COPY, READ, UNIT_PREFIX, no_span
 from ..strategies import Ledger
 from ..strategies.executor import Unit, plan_units
 from ..strategies.reads import Read, block_view, fill_part, own_reads, whole_reads
+from .arena import ShardArena
 from .memory import prefault
-from .parallelize import install, is_distributed, local_of
+from .parallelize import install, is_distributed
 from .staging import PinnedStager
 
 
@@ -80,6 +82,7 @@ class LoadContext:
     # builds the random initialisation's model on the ranks whose strategy asks for it
     make_reference: Callable[[], Reference] | None = None
     _reference: Reference | None = field(default=None, init=False, repr=False)
+    _arena: ShardArena | None = field(default=None, init=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -108,14 +111,22 @@ class LoadContext:
         self.ledger.free(tensor.numel() * tensor.element_size())
 
     def shard(self, t: TensorPlan) -> torch.Tensor:
-        return self.empty(t.ranks[self.rank].shape, t.dtype)
+        shape = t.ranks[self.rank].shape
+        if self.device.type != "cpu":  # the caching allocator pools device memory already
+            return self.empty(shape, t.dtype)
+        if self._arena is None:
+            self._arena = ShardArena(self.plan, self.rank)
+        local = self._arena.take(shape, torch_dtype(t.dtype))
+        self.ledger.alloc(local.numel() * local.element_size())
+        return local
 
     def part(self, t: TensorPlan, rank: int) -> torch.Tensor:
         return self.empty(t.ranks[rank].shape, t.dtype, self.comm_device)
 
     def install(self, t: TensorPlan, local: torch.Tensor) -> torch.Tensor:
         mesh = self.mesh if is_distributed(self.plan, t) else None
-        return local_of(install(self.model, t, local, mesh))
+        install(self.model, t, local, mesh)
+        return local  # what the installed parameter holds (the same storage)
 
     # --- collectives ------------------------------------------------------------------------
 

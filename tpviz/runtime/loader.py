@@ -232,6 +232,7 @@ def _open_checkpoint(plan: ResolvedPlan) -> Checkpoint:
         raise LoadFailure(str(e), module, e.file) from e
 
 
+@torch.no_grad()  # no tensor of a load needs autograd (its DTensors' to_local skip it too)
 def _run_strategy(ctx: LoadContext, options: LoadOptions, config: dict) -> None:
     ctx.init = options.init
     ctx.make_reference = lambda: FullModel(ctx.plan, ctx.adapter, config, ctx.seed)

@@ -1,0 +1,51 @@
+"""Two C library calls that Python's os and mmap modules do not offer in the form tpviz needs,
+made through ctypes on the symbols already loaded into the process:
+
+- `preadv` over an iovec array built with numpy. `os.preadv` takes one Python buffer object
+  per iovec, and a column block of a large matrix has a run per row: making and passing a
+  thousand buffers cost more than the kernel's read of them.
+- `madvise` on any address range (`mmap.madvise` only takes ranges of an mmap object), to
+  fault in a tensor's fresh pages at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+import numpy as np
+
+IOVEC = np.dtype([("base", np.uintp), ("len", np.uintp)])  # struct iovec
+
+_libc: ctypes.CDLL | None = None
+
+
+def _c() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        # the symbols already loaded into this process (libc's among them): find_library
+        # would run ldconfig in a subprocess, tens of milliseconds inside the first load
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+        libc.preadv.restype = ctypes.c_ssize_t
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc = libc
+    return _libc
+
+
+def preadv(fd: int, iovecs: np.ndarray, position: int) -> int:
+    """Bytes read by one preadv(2) of `iovecs` (an `IOVEC` array) from `position` of `fd`;
+    retried when a signal interrupts it, as os.preadv is."""
+    while True:
+        n = _c().preadv(fd, iovecs.ctypes.data, len(iovecs), position)
+        if n >= 0:
+            return n
+        code = ctypes.get_errno()
+        if code != errno.EINTR:
+            raise OSError(code, os.strerror(code))
+
+
+def madvise(address: int, length: int, advice: int) -> bool:
+    """Whether madvise(2) took `advice` for the page-aligned range at `address`."""
+    return _c().madvise(address, length, advice) == 0
