@@ -16,6 +16,10 @@ bytes sent/received, with ratios to sliced. Then:
   its memory made as tpviz makes a shard's (torch's allocator, which in the ranks marks large
   allocations for huge pages unless THP_MEM_ALLOC_ENABLE=0; pages populated), and again in a
   mapping of its own marked for transparent huge pages;
+- the same comparison on warm ranks: one job reloads the sliced load `--rounds` x 3 times, each
+  load followed by the floor in the same processes (both then reuse memory the ranks freed a
+  moment before, so the host's cost of fresh memory, which swings by 10x on a virtual machine,
+  weighs less on the ratio);
 - the check that each sliced rank's peak tensor bytes stay within its final shard plus the
   largest single slice it reads;
 - what profiling off costs: the no-op span calls of one load, timed.
@@ -66,6 +70,26 @@ def machine_copy_bandwidth(nbytes: int, processes: int) -> tuple[float, float]:
     for p in procs:
         p.join()
     return median(r[0] for r in rates), median(r[1] for r in rates)
+
+
+def warm_ranks(source, plan, reloads: int) -> None:
+    """Sliced `seconds` against the floor, alternating in the same warm rank processes."""
+    seconds, floors = [], []
+    with tpviz.launch(source, plan.world_size, plan) as job:
+        job.wait()
+        for _ in range(reloads):
+            job = job.reload()
+            seconds.append([r["seconds"] for r in job.wait()["ranks"]])
+            floors.append(job.call(floor_in_rank, str(source), plan.per_rank_bytes))
+        job.shutdown()
+    print(f"\non warm ranks, {reloads} reloads each followed by the floor in the same processes:")
+    for rank in range(plan.world_size):
+        mine, floor = [s[rank] for s in seconds], [f[rank] for f in floors]
+        each = [a / b for a, b in zip(mine, floor)]
+        print(
+            f"  rank {rank}: sliced {median(mine):.3f} s, floor {median(floor):.3f} s: "
+            f"{median(each):.2f}x ({min(each):.2f}-{max(each):.2f}) (target <= 1.1x)"
+        )
 
 
 def main() -> None:
@@ -147,6 +171,8 @@ def main() -> None:
             f"  rank {rank}: sliced {med('sliced', rank, 'seconds'):.3f} s; "
             f"{ratios['floor']} (target <= 1.1x); {ratios['huge-page floor']}"
         )
+
+    warm_ranks(source, plan, args.rounds * 3)
 
     print("\nsliced peak tensor bytes against final shard + largest slice:")
     for rank in range(w):
