@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import numpy as np
@@ -156,10 +157,11 @@ def test_reading_never_opens_for_writing(tiny):
 
 
 def _counting_preadv(monkeypatch, limit: int | None = None) -> list[int]:
-    """Count the reader's preadv calls; with `limit`, each call reads at most that many bytes,
-    as a filesystem may (short reads)."""
+    """Count the reader's preadv calls (iovec arrays through ctypes, and the os module's for
+    lone runs); with `limit`, each call reads at most that many bytes, as a filesystem may
+    (short reads)."""
     calls: list[int] = []
-    real = checkpoint.preadv
+    real, real_os = checkpoint.preadv, os.preadv
 
     def preadv(fd, iovecs, position):
         if limit is not None:  # the iovecs cut to the first `limit` bytes
@@ -169,7 +171,14 @@ def _counting_preadv(monkeypatch, limit: int | None = None) -> list[int]:
         calls.append(position)
         return real(fd, iovecs, position)
 
+    def os_preadv(fd, buffers, position):
+        if limit is not None:
+            buffers = [memoryview(buffers[0])[:limit]]
+        calls.append(position)
+        return real_os(fd, buffers, position)
+
     monkeypatch.setattr(checkpoint, "preadv", preadv)
+    monkeypatch.setattr(os, "preadv", os_preadv)
     return calls
 
 
@@ -196,10 +205,12 @@ def test_column_block_reads_in_few_calls(tmp_path, monkeypatch):
 @pytest.mark.parametrize("limit", [1, 100, 4096])
 def test_short_reads_are_resumed(tmp_path, monkeypatch, limit):
     full = torch.randn(40, 64)
+    wide = torch.randn(3, 8192)  # rows 32 KiB apart: each run read on its own
     path = tmp_path / "t.safetensors"
-    save_file({"w": full}, path)
-    info = read_header(path)["w"]
+    save_file({"w": full, "wide": wide}, path)
+    info, wide_info = read_header(path)["w"], read_header(path)["wide"]
     _counting_preadv(monkeypatch, limit)
     with BlockReader() as reader:
+        assert torch.equal(reader.read_block(wide_info, (0, 5), (3, 1500)), wide[:, 5:1505])
         assert torch.equal(reader.read_block(info, (3, 10), (30, 20)), full[3:33, 10:30])
         assert torch.equal(reader.read_full(info), full)

@@ -1,5 +1,5 @@
-"""Two C library calls that Python's os and mmap modules do not offer in the form tpviz needs,
-made through ctypes on the symbols already loaded into the process:
+"""Two C library calls that Python's os and mmap modules do not offer in the form tpviz
+needs, made through ctypes on the symbols already loaded into the process:
 
 - `preadv` over an iovec array built with numpy. `os.preadv` takes one Python buffer object
   per iovec, and a column block of a large matrix has a run per row: making and passing a
@@ -18,34 +18,31 @@ import numpy as np
 
 IOVEC = np.dtype([("base", np.uintp), ("len", np.uintp)])  # struct iovec
 
-_libc: ctypes.CDLL | None = None
-
-
-def _c() -> ctypes.CDLL:
-    global _libc
-    if _libc is None:
-        # the symbols already loaded into this process (libc's among them): find_library
-        # would run ldconfig in a subprocess, tens of milliseconds inside the first load
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-        libc.preadv.restype = ctypes.c_ssize_t
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc = libc
-    return _libc
+# the symbols already loaded into this process, libc's among them (ctypes.util.find_library
+# would run ldconfig in a subprocess, tens of milliseconds)
+_libc = ctypes.CDLL(None, use_errno=True)
+_preadv = _libc.preadv
+_preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+_preadv.restype = ctypes.c_ssize_t
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def preadv(fd: int, iovecs: np.ndarray, position: int) -> int:
-    """Bytes read by one preadv(2) of `iovecs` (an `IOVEC` array) from `position` of `fd`;
-    retried when a signal interrupts it, as os.preadv is."""
-    while True:
-        n = _c().preadv(fd, iovecs.ctypes.data, len(iovecs), position)
-        if n >= 0:
-            return n
-        code = ctypes.get_errno()
-        if code != errno.EINTR:
-            raise OSError(code, os.strerror(code))
+    """Bytes read by one preadv(2) of `iovecs` (an `IOVEC` array) from `position` of `fd`."""
+    while (n := _preadv(fd, iovecs.ctypes.data, len(iovecs), position)) < 0:
+        _raise_unless_interrupted()
+    return n
+
+
+def _raise_unless_interrupted() -> None:
+    """After a failed call: go on (call again) if a signal interrupted it, as the os module
+    does; else raise its error."""
+    code = ctypes.get_errno()
+    if code != errno.EINTR:
+        raise OSError(code, os.strerror(code))
 
 
 def madvise(address: int, length: int, advice: int) -> bool:
     """Whether madvise(2) took `advice` for the page-aligned range at `address`."""
-    return _c().madvise(address, length, advice) == 0
+    return _madvise(address, length, advice) == 0
