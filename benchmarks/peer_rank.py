@@ -34,7 +34,7 @@ class Split:
 
     PARTS = {  # part -> (module, attribute) of the function it is timed around
         "imports": (builtins, "__import__"),
-        "plan": ("tpviz.runtime.loader", "_resolve_on_rank0"),  # rank 0 resolves, others wait
+        "plan": ("tpviz.runtime.loader", "_resolve_on_rank0"),  # rank 0 resolves, others read
         "skeleton": ("tpviz.runtime.loader", "_prepare"),
         "allocation": ("tpviz.runtime.executor.LoadContext", "shard"),
         "reads": ("tpviz.runtime.executor", "read_into"),

@@ -114,6 +114,19 @@ class SourceModel:
     source: str | None  # the resolved source path; None for a module given directly
 
 
+def read_source(
+    source: str | os.PathLike, model: str | None, weights: str | os.PathLike | None
+) -> SourceModel:
+    """What resolving or loading a checkpoint (or config) directory reads first: its config,
+    the adapter `model` chooses for it, the meta skeleton, and the headers of the checkpoint
+    at `weights` (None: none read)."""
+    config = read_config(source)
+    adapter = get_adapter(config, model, source)
+    skeleton = build_skeleton(adapter, config)
+    ckpt = Checkpoint.open(weights) if weights is not None else None
+    return SourceModel(skeleton, adapter, config, ckpt, str(Path(source).resolve()))
+
+
 def _resolve_source(
     source: str | os.PathLike | nn.Module,
     world_size: int,
@@ -129,11 +142,7 @@ def _resolve_source(
         ckpt = Checkpoint.open(checkpoint) if checkpoint is not None else None
         found = SourceModel(source, adapter, adapter.config_of(source), ckpt, None)
     else:
-        config = read_config(source)
-        adapter = get_adapter(config, model, source)
-        skeleton = build_skeleton(adapter, config)
-        ckpt = Checkpoint.open(checkpoint if checkpoint is not None else source)
-        found = SourceModel(skeleton, adapter, config, ckpt, str(Path(source).resolve()))
+        found = read_source(source, model, checkpoint if checkpoint is not None else source)
     patterns = load_plan_patterns(plan)
     if patterns is None:
         patterns = found.adapter.default_plan(found.skeleton)

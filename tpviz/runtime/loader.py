@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,24 +20,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError
 from ..events import Done, Phase, RankPhase
 from ..models import ModelAdapter, get_adapter, prompt_ids, read_config
-from ..plan import ResolvedPlan, TensorPlan, resolve_plan
-from ..plan.resolve import SourceModel, resolve_and_keep
+from ..plan import ResolvedPlan, resolve_plan
+from ..plan.resolve import SourceModel, read_source, resolve_and_keep
 from ..profiling import PHASE_PREFIX, rank_profiler
 from ..results import RankResult
 from ..strategies import STRATEGIES, Ledger, forecast
-from ..strategies.reads import fill_part
 from .executor import LoadContext, LoadFailure
+from .init_check import check_random_init
 from .memory import MemorySampler, PeakRss
 from .options import LoadOptions
 from .parallelize import apply_styles, leftover_meta, local_of, lookup, shard_report
 from .reference import FullModel, plan_skeleton
 from .sink import EventSink
 from .staging import PinnedStager
-
-SLICED_INIT_NOTE = (
-    "sliced draws each shard on its own rank, so its shards cannot equal a single-process "
-    "draw with the same seed; only replicated tensors are checked (they agree across ranks)"
-)
 
 
 @dataclass
@@ -241,88 +235,6 @@ def _run_strategy(ctx: LoadContext, options: LoadOptions, config: dict) -> None:
         ctx.stager.finish()
 
 
-def _checksum(tensor: torch.Tensor) -> int:
-    data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-    return zlib.crc32(data)
-
-
-def check_random_init(ctx: LoadContext, options: LoadOptions, config: dict) -> dict[str, Any]:
-    """Do the ranks hold one consistent model? Copies must agree: a replicated tensor across
-    all ranks, a `shard(D, groups=G)` chunk across the ranks that share it; for replicated and
-    rank0_broadcast the gathered tensors must equal a single-process initialisation with the
-    same seed (streamed unit by unit through rank 0)."""
-    plan = ctx.plan
-    copied = [
-        t
-        for t in plan.params
-        if t.origin == "checkpoint" and (t.shard_dim is None or t.groups is not None)
-    ]
-    mine = [_checksum(local_of(lookup(ctx.model, t.name))) for t in copied]
-    every: list[list[int]] = [None] * plan.world_size  # type: ignore[list-item]
-    dist.all_gather_object(every, mine)
-    inconsistent = [
-        t.name for i, t in enumerate(copied) if _copies_differ(t, [c[i] for c in every])
-    ]
-    report: dict[str, Any] = {
-        "seed": options.seed,
-        "strategy": options.strategy,
-        "replicated_consistent": not inconsistent,
-        "inconsistent": inconsistent[:20],
-    }
-    if options.strategy == "sliced":
-        report.update(matches_single_process=None, mismatched=[], note=SLICED_INIT_NOTE)
-    else:
-        mismatched = _compare_with_single_process(ctx, config, options.seed)
-        report.update(matches_single_process=not mismatched, mismatched=mismatched[:20])
-    report["ok"] = not inconsistent and not report["mismatched"]
-    return report
-
-
-def _copies_differ(tensor: TensorPlan, checksums: list[int]) -> bool:
-    """Whether ranks holding the same copy of `tensor` hold different values."""
-    sharing = len(checksums) // (tensor.groups or 1)  # consecutive ranks holding one copy
-    copies: dict[int, set[int]] = {}
-    for rank, checksum in enumerate(checksums):
-        copies.setdefault(rank // sharing, set()).add(checksum)
-    return any(len(values) > 1 for values in copies.values())
-
-
-def _compare_with_single_process(ctx: LoadContext, config: dict, seed: int) -> list[str]:
-    """Names of tensors whose gathered value differs from a single-process init (rank 0's
-    list; other ranks return []). Ranks send their shards to rank 0 unit by unit."""
-    plan, rank = ctx.plan, ctx.rank
-    reference = FullModel(plan, ctx.adapter, config, seed) if rank == 0 else None
-    mismatched: list[str] = []
-    for module, tensors in plan.units():
-        if reference is not None:
-            fulls = reference.materialize(None, module, tensors)
-        for i, t in enumerate(tensors):
-            local = local_of(lookup(ctx.model, t.name)).detach()
-            if t.shard_dim is None:
-                if reference is not None and not torch.equal(local.cpu(), fulls[i]):
-                    mismatched.append(t.name)
-                continue
-            if rank != 0:
-                if local.numel():
-                    dist.send(local.to(ctx.comm_device).contiguous(), 0)
-                continue
-            same = True
-            for r in range(plan.world_size):
-                if not t.ranks[r].bytes:
-                    continue
-                part = local
-                if r:
-                    part = torch.empty(t.ranks[r].shape, dtype=local.dtype, device=ctx.comm_device)
-                    dist.recv(part, r)
-                expected = torch.empty(t.ranks[r].shape, dtype=local.dtype)
-                same &= torch.equal(part.cpu(), fill_part(expected, fulls[i], t, r))
-            if not same:
-                mismatched.append(t.name)
-        if reference is not None:
-            reference.dematerialize(tensors)
-    return mismatched
-
-
 def load_sharded(
     source: str | os.PathLike,
     plan: dict | str | os.PathLike | ResolvedPlan | None = None,
@@ -352,8 +264,8 @@ def load_sharded(
     if not dist.is_initialized():
         init_group(local)
     choices = dict(dtype=dtype, model=model, kv_replication=kv_replication, experts=experts)
-    resolved, found = _resolve_on_rank0(source, plan, choices)
     options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
+    resolved, found = _resolve_on_rank0(source, plan, choices, options)
     sink = EventSink(dist.get_rank(), events_dir=events_dir)
     try:
         return load_in_group(resolved, options, sink, local, found)
@@ -362,10 +274,11 @@ def load_sharded(
 
 
 def _resolve_on_rank0(
-    source: str | os.PathLike, plan: Any, choices: dict[str, Any]
+    source: str | os.PathLike, plan: Any, choices: dict[str, Any], options: LoadOptions
 ) -> tuple[ResolvedPlan, SourceModel | None]:
-    """The plan every rank executes, and on rank 0 what it read to resolve it (loading goes
-    on from that skeleton and those headers rather than building and reading them again)."""
+    """The plan every rank executes, and what this rank read to resolve or while waiting
+    for it (loading goes on from that skeleton and those headers rather than building and
+    reading them again): rank 0 resolves, the others read their source meanwhile."""
     box: list[Any] = [None]
     found = None
     if dist.get_rank() == 0:
@@ -379,7 +292,25 @@ def _resolve_on_rank0(
         except Exception as e:
             dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=0)
             raise
+    else:
+        found = _read_while_waiting(source, choices["model"], options)
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], str):
         raise RuntimeError(f"rank 0 could not resolve the plan: {box[0]}")
-    return box[0], found
+    resolved = box[0]
+    if found and (found.adapter.name, found.source) != (resolved.model, resolved.source):
+        found = None  # read for another model than the plan's: the load builds its own
+    return resolved, found
+
+
+def _read_while_waiting(
+    source: str | os.PathLike, model: str | None, options: LoadOptions
+) -> SourceModel | None:
+    """What a rank other than 0 reads of its source while rank 0 resolves the plan; None if
+    that fails. It must reach the plan's broadcast whatever happens (rank 0 would wait there
+    until the timeout), and the load reports the same failure when it reads the files."""
+    reads_weights = options.init == "checkpoint" and options.strategy != "rank0_broadcast"
+    try:
+        return read_source(source, model, source if reads_weights else None)
+    except Exception:
+        return None
