@@ -17,8 +17,7 @@ from .conftest import REPO
 pytestmark = pytest.mark.slow
 
 
-def test_load_sharded_under_torchrun_writes_each_ranks_events(tmp_path, tiny):
-    events_dir = tmp_path / "events"
+def _torchrun_load(tmp_path, *args: str) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "GLOO_SOCKET_IFNAME": "lo",
@@ -26,24 +25,21 @@ def test_load_sharded_under_torchrun_writes_each_ranks_events(tmp_path, tiny):
         "PYTHONPATH": str(REPO),
         "TMPDIR": str(tmp_path),  # torchrun keeps its own logs there and never removes them
     }
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(REPO / "tests" / "torchrun_load.py"),
-            str(tiny),
-            str(events_dir),
-        ],
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    script = str(REPO / "tests" / "torchrun_load.py")
+    return subprocess.run(
+        [*command, "--nproc-per-node", "2", script, *args],
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
         cwd=REPO,
     )
+
+
+def test_load_sharded_under_torchrun_writes_each_ranks_events(tmp_path, tiny):
+    events_dir = tmp_path / "events"
+    run = _torchrun_load(tmp_path, str(tiny), str(events_dir))
     assert run.returncode == 0, run.stderr[-3000:]
     output = json.loads(run.stdout.strip().splitlines()[-1])
     assert output["logits_shape"] == [1, 4, 1000]
@@ -60,3 +56,12 @@ def test_load_sharded_under_torchrun_writes_each_ranks_events(tmp_path, tiny):
         assert sum(isinstance(e, Memory) for e in mine) >= units
         (done,) = [e for e in mine if isinstance(e, Done)]
         assert done.result["param_bytes"] == done.result["planned_bytes"]
+
+
+def test_a_rank_that_cannot_read_its_source_while_rank_0_resolves_still_loads(tmp_path, tiny):
+    # rank 1 reads its source while rank 0 resolves; a failure there must not keep it from
+    # the plan's broadcast (rank 0 would wait for the timeout): it loads from the plan's source
+    run = _torchrun_load(tmp_path, str(tiny), str(tmp_path / "events"), str(tmp_path / "gone"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    output = json.loads(run.stdout.strip().splitlines()[-1])
+    assert output["result"]["plan_matches_shards"] and output["logits_shape"] == [1, 4, 1000]
