@@ -254,7 +254,7 @@ class BlockReader:
         gaps = np.diff(positions) - run_bytes
         starts = positions.tolist()
         apart = (np.flatnonzero(gaps > self.MAX_GAP_BYTES) + 1).tolist()
-        if len(apart) == count - 1 > 0:  # every run alone (rows far apart): a read each
+        if len(apart) == count - 1:  # every run alone (one run, or rows far apart)
             self._read_apart(fd, out, run_bytes, starts, info)
             return
         first = 0
@@ -273,8 +273,8 @@ class BlockReader:
     def _read_apart(
         self, fd: int, out: torch.Tensor, run_bytes: int, starts: list[int], info: TensorInfo
     ) -> None:
-        """One `os.preadv` per run, into slices of `out`: for a lone run, the os module's own
-        call costs less than building an iovec array."""
+        """One `os.preadv` per run, into slices of `out`: for a run read alone, the os
+        module's own call costs less than building an iovec array."""
         view = memoryview(out.view(-1).view(torch.uint8).numpy())
         for i, position in enumerate(starts):
             into = i * run_bytes

@@ -89,8 +89,7 @@ def load_in_group(
     config = found.config if found else read_config(plan.source)
     ctx = _prepare(plan, config, rank, device, sink.emit, found)
     ctx.seed = options.seed + options.seed_skew.get(rank, 0)
-    # in rank0_broadcast only rank 0 reads: the others may not even see the files
-    if options.init == "checkpoint" and (options.strategy != "rank0_broadcast" or rank == 0):
+    if options.reads_checkpoint(rank):
         ctx.checkpoint = found.ckpt if found and found.ckpt else _open_checkpoint(plan)
         ctx.reader = BlockReader()
         if device.type == "cuda":
@@ -309,8 +308,8 @@ def _read_while_waiting(
     """What a rank other than 0 reads of its source while rank 0 resolves the plan; None if
     that fails. It must reach the plan's broadcast whatever happens (rank 0 would wait there
     until the timeout), and the load reports the same failure when it reads the files."""
-    reads_weights = options.init == "checkpoint" and options.strategy != "rank0_broadcast"
+    weights = source if options.reads_checkpoint(dist.get_rank()) else None
     try:
-        return read_source(source, model, source if reads_weights else None)
+        return read_source(source, model, weights)
     except Exception:
         return None

@@ -27,6 +27,11 @@ class LoadOptions:
         self.profile_dir = str(self.profile_dir) if self.profile_dir else None
         self.seed_skew = dict(self.seed_skew or {})
 
+    def reads_checkpoint(self, rank: int) -> bool:
+        """Whether `rank` reads the checkpoint: in rank0_broadcast only rank 0 does (the
+        others may not even see the files)."""
+        return self.init == "checkpoint" and (self.strategy != "rank0_broadcast" or rank == 0)
+
     def validate(self, plan: ResolvedPlan) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(
