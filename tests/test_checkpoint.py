@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 
 import numpy as np
@@ -129,6 +128,30 @@ def test_truncated_file_names_file_and_tensor(tmp_path):
     assert err.value.tensor == "b" and err.value.file == str(path)
 
 
+def test_a_file_cut_short_after_its_header_was_read_fails_naming_file_and_tensor(tmp_path):
+    path = tmp_path / "model.safetensors"
+    wide = torch.randn(4, 8192)  # rows 32 KiB apart: each run read on its own
+    save_file({"a": torch.randn(64, 64), "b": torch.randn(64, 64), "wide": wide}, path)
+    infos = read_header(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: infos["b"].start + 100])  # "a" whole; "b" and "wide" cut
+    with BlockReader() as reader:
+        assert torch.equal(
+            reader.read_full(infos["a"]),
+            torch.frombuffer(
+                bytearray(data[infos["a"].start : infos["a"].end]), dtype=torch.float32
+            ).view(64, 64),
+        )
+        for name, block in [
+            ("b", ((0, 0), (64, 64))),  # one run
+            ("b", ((0, 0), (64, 8))),  # runs sharing calls
+            ("wide", ((0, 0), (4, 2))),  # runs apart
+        ]:
+            with pytest.raises(CheckpointError, match="truncated while reading") as err:
+                reader.read_block(infos[name], *block)
+            assert err.value.file == str(path) and err.value.tensor == name
+
+
 def test_corrupt_header_names_the_file(tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes(struct.pack("<Q", 20) + b"{not json at all...}" + b"\0" * 64)
@@ -157,11 +180,10 @@ def test_reading_never_opens_for_writing(tiny):
 
 
 def _counting_preadv(monkeypatch, limit: int | None = None) -> list[int]:
-    """Count the reader's preadv calls (iovec arrays through ctypes, and the os module's for
-    lone runs); with `limit`, each call reads at most that many bytes, as a filesystem may
-    (short reads)."""
+    """Count the reader's read calls (preadv of iovec arrays, and pread of lone runs); with
+    `limit`, each call reads at most that many bytes, as a filesystem may (short reads)."""
     calls: list[int] = []
-    real, real_os = checkpoint.preadv, os.preadv
+    real_preadv, real_pread = checkpoint.preadv, checkpoint.pread
 
     def preadv(fd, iovecs, position):
         if limit is not None:  # the iovecs cut to the first `limit` bytes
@@ -169,16 +191,14 @@ def _counting_preadv(monkeypatch, limit: int | None = None) -> list[int]:
             iovecs = iovecs[starts < limit].copy()
             iovecs["len"] = np.minimum(iovecs["len"], limit - starts[: len(iovecs)])
         calls.append(position)
-        return real(fd, iovecs, position)
+        return real_preadv(fd, iovecs, position)
 
-    def os_preadv(fd, buffers, position):
-        if limit is not None:
-            buffers = [memoryview(buffers[0])[:limit]]
+    def pread(fd, address, nbytes, position):
         calls.append(position)
-        return real_os(fd, buffers, position)
+        return real_pread(fd, address, min(nbytes, limit or nbytes), position)
 
     monkeypatch.setattr(checkpoint, "preadv", preadv)
-    monkeypatch.setattr(os, "preadv", os_preadv)
+    monkeypatch.setattr(checkpoint, "pread", pread)
     return calls
 
 

@@ -19,7 +19,7 @@ import torch
 
 from .inputs import read_json, stat_path
 from .safetensors_header import CheckpointError, TensorInfo, dtype_name, read_header, torch_dtype
-from .syscalls import IOVEC, preadv
+from .syscalls import IOVEC, pread, preadv
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -164,6 +164,15 @@ def _merge(headers) -> dict[str, TensorInfo]:
     return merged
 
 
+def _truncated(info: TensorInfo, position: int) -> CheckpointError:
+    return CheckpointError(
+        f"{info.file}: truncated while reading tensor {info.name!r} at byte {position}; "
+        "re-create or re-download the file",
+        info.file,
+        info.name,
+    )
+
+
 def contiguous_runs(
     global_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]
 ) -> tuple[int, np.ndarray]:
@@ -251,11 +260,15 @@ class BlockReader:
         """Fill `out` with runs of `run_bytes` read from `positions` of `info.file`, one after
         another (the caller checked it holds them all)."""
         fd, count, address = self._fd(info.file), len(positions), out.data_ptr()
+        if count == 1:  # most tensors: one `pread`, none of the numpy below (a few us)
+            self._read_run(fd, address, run_bytes, int(positions[0]), info)
+            return
         gaps = np.diff(positions) - run_bytes
         starts = positions.tolist()
         apart = (np.flatnonzero(gaps > self.MAX_GAP_BYTES) + 1).tolist()
-        if len(apart) == count - 1:  # every run alone (one run, or rows far apart)
-            self._read_apart(fd, out, run_bytes, starts, info)
+        if len(apart) == count - 1:  # rows far apart: a `pread` each costs less than an array
+            for i, position in enumerate(starts):
+                self._read_run(fd, address + i * run_bytes, run_bytes, position, info)
             return
         first = 0
         for stop in [*apart, count]:
@@ -270,18 +283,13 @@ class BlockReader:
                 self._read_fully(fd, iovecs, starts[a], nbytes, info)
             first = stop
 
-    def _read_apart(
-        self, fd: int, out: torch.Tensor, run_bytes: int, starts: list[int], info: TensorInfo
-    ) -> None:
-        """One `os.preadv` per run, into slices of `out`: for a run read alone, the os
-        module's own call costs less than building an iovec array."""
-        view = memoryview(out.view(-1).view(torch.uint8).numpy())
-        for i, position in enumerate(starts):
-            into = i * run_bytes
-            n = os.preadv(fd, [view[into : into + run_bytes]], position)
-            if n != run_bytes:  # short: the general path goes on after the bytes that came
-                rest = np.array([(out.data_ptr() + into + n, run_bytes - n)], dtype=IOVEC)
-                self._read_fully(fd, rest, position + n, run_bytes - n, info)
+    @staticmethod
+    def _read_run(fd: int, address: int, nbytes: int, position: int, info: TensorInfo) -> None:
+        while nbytes:
+            n = pread(fd, address, nbytes, position)
+            if n == 0:
+                raise _truncated(info, position)
+            address, position, nbytes = address + n, position + n, nbytes - n
 
     @staticmethod
     def _read_fully(
@@ -292,12 +300,7 @@ class BlockReader:
             if n == nbytes:
                 return
             if n == 0:
-                raise CheckpointError(
-                    f"{info.file}: truncated while reading tensor {info.name!r} at byte "
-                    f"{position}; re-create or re-download the file",
-                    info.file,
-                    info.name,
-                )
+                raise _truncated(info, position)
             # a short read: go on after the bytes that came
             position, nbytes = position + n, nbytes - n
             ends = np.cumsum(iovecs["len"])
