@@ -344,6 +344,15 @@ def test_load_timeouts_that_are_not_a_positive_finite_time(ck, capsys, timeout):
     assert "timeout must be a positive, finite number" in err
 
 
+@pytest.mark.parametrize("command", ["plan", "load"])
+def test_a_world_size_past_every_tensor_dimension_is_refused_at_once(ck, capsys, command):
+    # planning works per rank and tensor: 10**6 ranks used to take minutes before its refusal
+    largest = max(max(info.shape) for info in Checkpoint.open(ck).tensors.values())
+    err = refused(capsys, command, ck, "--world-size", str(10**6))
+    assert "world size 1000000 is larger than every dimension" in err
+    assert f"use at most {largest}" in err
+
+
 def test_launch_refuses_a_boolean_world_size(ck):
     from tpviz import launch, resolve_plan
 

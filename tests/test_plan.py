@@ -475,3 +475,15 @@ def test_style_table_has_every_documented_style():
         assert styles.canonical(name).name == name
     with pytest.raises(styles.UnknownStyle):
         styles.canonical("nope")
+
+
+def test_a_rope_scaling_the_builtin_llama_lacks_is_planned_with_transformers(tmp_path):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
+    config = {**LLAMA_70B, "num_hidden_layers": 1, "rope_scaling": yarn}
+    source = write_config(tmp_path / "yarn", **config)
+    # refused while planning, before any rank starts, when the built-in Llama is asked for
+    with pytest.raises(ValueError, match="rope type 'yarn' is not implemented .* use --model hf"):
+        resolve_plan(source, 8, model="builtin")
+    pytest.importorskip("transformers")
+    assert resolve_plan(source, 8).model == "hf"  # what `auto` picks for it
+    assert resolve_plan(write_config(tmp_path / "llama3", **LLAMA_70B), 8).model == "builtin"

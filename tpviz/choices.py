@@ -9,14 +9,25 @@ TARGET_DTYPES = ("float32", "bfloat16", "float16")  # what --dtype offers; Pytho
 PRESETS = ("tiny", "small", "medium")
 
 LLAMA_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
+BUILTIN_ROPE_TYPES = frozenset({"default", "linear", "llama3"})  # what tpviz's Llama computes
 
 
 def model_family(config: dict, model: str | None) -> str:
     """The adapter `--model` names for this config: under `auto`, tpviz's own Llama for the
-    Llama family and transformers for everything else; other names as given."""
+    Llama family with a rope scaling it computes, transformers for everything else; other
+    names as given."""
     choice = model or "auto"
     if choice != "auto":
         return choice
     arch = set(config.get("architectures") or [])
     is_llama = config.get("model_type") == "llama" and (not arch or arch <= LLAMA_ARCHITECTURES)
-    return "builtin" if is_llama else "hf"
+    return "builtin" if is_llama and rope_type(config) in BUILTIN_ROPE_TYPES else "hf"
+
+
+def rope_type(config: dict) -> str:
+    """The rope scaling a config asks for: 5.x `rope_parameters` or 4.x `rope_scaling`."""
+    params = config.get("rope_parameters")
+    scaling = params if isinstance(params, dict) else config.get("rope_scaling")
+    if not isinstance(scaling, dict):
+        return "default"
+    return scaling.get("rope_type") or scaling.get("type") or "default"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..choices import rope_type
 from ..inputs import InputFileError, read_json, stat_path
 from .limits import config_problem
 
@@ -53,7 +54,7 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     else:
         theta = config.get("rope_theta", 10000.0)
         scaling = dict(config.get("rope_scaling") or {})
-    scaling["rope_type"] = scaling.get("rope_type") or scaling.get("type") or "default"
+    scaling["rope_type"] = rope_type(config)
     return float(theta), scaling
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..choices import BUILTIN_ROPE_TYPES
 from .config import ConfigError, LlamaDims
 
 
@@ -55,14 +56,21 @@ def rope_inv_freq(dims: LlamaDims, device: torch.device | str | None = None) -> 
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(is_mid, mid, scaled)
-    raise ConfigError(
-        f"rope type {kind!r} is not implemented by tpviz's built-in Llama; use --model hf"
+    raise _unsupported_rope(kind)
+
+
+def _unsupported_rope(kind: str) -> ConfigError:
+    return ConfigError(
+        f"rope type {kind!r} is not implemented by tpviz's built-in Llama (it computes "
+        f"{', '.join(sorted(BUILTIN_ROPE_TYPES))}); use --model hf or --model auto"
     )
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, dims: LlamaDims):
         super().__init__()
+        if dims.rope_scaling["rope_type"] not in BUILTIN_ROPE_TYPES:  # refused while planning
+            raise _unsupported_rope(dims.rope_scaling["rope_type"])
         self.dims = dims
         # on meta only the shape matters (and meta arange would import torch._dynamo)
         on_meta = torch.get_default_device().type == "meta"

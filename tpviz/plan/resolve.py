@@ -189,6 +189,7 @@ def _resolve(
     kv_replication: bool,
     experts: str,
 ) -> ResolvedPlan:
+    _check_world_size_fits(found.skeleton, world_size)
     issues = PlanIssues()
     moes = find_experts(found.skeleton, patterns, expert_count(found.config))
     if experts == "ep":
@@ -218,6 +219,17 @@ def _resolve(
     plan.experts = experts
     plan.kv_replication = kv_replication
     return plan
+
+
+def _check_world_size_fits(skeleton: nn.Module, world_size: int) -> None:
+    """Refuse, before planning (whose work grows with ranks x tensors), a world size larger
+    than every dimension of every tensor: no style could give each rank a part of anything."""
+    largest = max((max(t.shape, default=1) for t in skeleton.state_dict().values()), default=1)
+    if world_size > largest:
+        raise ValueError(
+            f"world size {world_size} is larger than every dimension of the model's tensors "
+            f"(the largest is {largest}): most ranks would hold nothing; use at most {largest}"
+        )
 
 
 def _expert_parallel(
@@ -278,6 +290,7 @@ def _plan(
         has_weights=bool(found.ckpt and found.ckpt.has_weights),
         patterns=dict(patterns),
     )
-    init = "checkpoint" if plan.has_weights else "random"
-    plan.forecast = {s: forecast(plan, s, init=init).to_dict() for s in STRATEGIES}
+    if not plan.errors:  # a plan with errors never runs: nothing to forecast
+        init = "checkpoint" if plan.has_weights else "random"
+        plan.forecast = {s: forecast(plan, s, init=init).to_dict() for s in STRATEGIES}
     return plan
