@@ -233,13 +233,13 @@ class LoadJob:
 
     def _check_released(self) -> None:
         """On warm ranks: say so in the result if a rank's resident set before loading stayed
-        above its first load's by more than RSS_MARGIN_BYTES (its growth figures would then
-        count less than a fresh rank's)."""
-        first = self._ranks.first_baselines
-        if first is None:
-            self._ranks.first_baselines = [r.rss_baseline_bytes for r in self.result.ranks]
+        above its reference load's by more than RSS_MARGIN_BYTES (its growth figures would
+        then count less than a fresh rank's)."""
+        reference = self._ranks.reference_baselines
+        if reference is None:
+            self._ranks.reference_baselines = [r.rss_baseline_bytes for r in self.result.ranks]
             return
-        for rank, before in enumerate(first):
+        for rank, before in enumerate(reference):
             above = self.result.ranks[rank].rss_baseline_bytes - before
             if above > RSS_MARGIN_BYTES:
                 self.result.warnings.append(
@@ -247,7 +247,7 @@ class LoadJob:
                         "code": "rss_not_released",
                         "name": f"rank {rank}",
                         "message": f"rank {rank} started this load {above / 2**20:.0f} MiB "
-                        "above its first load's resident set (margin "
+                        "above its reference load's resident set (margin "
                         f"{RSS_MARGIN_BYTES / 2**20:.0f} MiB): its RSS growth may read low",
                     }
                 )
@@ -303,6 +303,11 @@ class LoadJob:
         verifying = self.state is JobState.VERIFYING and name is CommandName.FORWARD
         if self.state is not JobState.LOADED and not verifying:
             raise LoadError(f"the job is {self.state}; commands need a loaded model")
+        if name in (CommandName.FORWARD, CommandName.CALL):
+            # what runs on the ranks may keep memory for good (a first forward imports
+            # torch._dynamo, about 45 MiB): not a model left unreleased, so the next load's
+            # baseline becomes the reference
+            self._ranks.reference_baselines = None
         replies = self._commands.run(name, args, given_up=lambda: self.state.ended)
         if self.error is not None:
             raise self.error

@@ -178,7 +178,9 @@ class Ranks:
         self.stop = threading.Event()
         self.pump: threading.Thread | None = None
         self.listener: weakref.ref[Listener] | None = None  # the job the ranks now serve
-        self.first_baselines: list[int] | None = None  # each rank's RSS before its first load
+        # each rank's RSS before the load whose release later loads are checked against: the
+        # first, or the first since the ranks last ran a forward or a call
+        self.reference_baselines: list[int] | None = None
         self.grace = 0.0  # seconds the ranks get to exit by themselves once asked to stop
         self._send_lock = threading.Lock()
         self._closed = False
