@@ -232,9 +232,8 @@ class LoadJob:
             self._set_state(JobState.LOADED)
 
     def _check_released(self) -> None:
-        """On warm ranks: say so in the result if a rank's resident set before loading stayed
-        above its reference load's by more than RSS_MARGIN_BYTES (its growth figures would
-        then count less than a fresh rank's)."""
+        """On warm ranks: warn if a rank's resident set before loading stayed over RSS_MARGIN_BYTES
+        above its reference load's (its growth would then read lower than a fresh rank's)."""
         reference = self._ranks.reference_baselines
         if reference is None:
             self._ranks.reference_baselines = [r.rss_baseline_bytes for r in self.result.ranks]
@@ -304,9 +303,8 @@ class LoadJob:
         if self.state is not JobState.LOADED and not verifying:
             raise LoadError(f"the job is {self.state}; commands need a loaded model")
         if name in (CommandName.FORWARD, CommandName.CALL):
-            # what runs on the ranks may keep memory for good (a first forward imports
-            # torch._dynamo, about 45 MiB): not a model left unreleased, so the next load's
-            # baseline becomes the reference
+            # what runs there may keep memory for good (a first forward imports
+            # torch._dynamo, ~45 MiB): the next load's baseline becomes the reference
             self._ranks.reference_baselines = None
         replies = self._commands.run(name, args, given_up=lambda: self.state.ended)
         if self.error is not None:
