@@ -20,7 +20,7 @@ import time
 
 import torch
 import transformers
-from common import gib, median
+from common import compile_tpviz, gib, median
 
 import tpviz
 
@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    compile_tpviz()  # before anything is measured
     with tempfile.TemporaryDirectory() as source:
         make_checkpoint(source)
         # the model's own plan; under tp tpviz derives the experts' keys from structure

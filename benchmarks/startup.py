@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from common import median
+from common import compile_tpviz, median
 
 from tpviz.models.demo import demo_checkpoint
 
@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("source", nargs="?", help="checkpoint dir (default: the tiny demo)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    compile_tpviz()  # before anything is measured
     source = args.source or str(demo_checkpoint("tiny"))
     python = sys.executable
     figures: dict[str, list[float]] = {}
