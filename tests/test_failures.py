@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from multiprocessing import forkserver
 
 import psutil
 import pytest
@@ -21,6 +23,7 @@ from safetensors.torch import load_file, save_file
 import tpviz
 from tpviz.events import UnitStart
 from tpviz.plan import resolve_plan
+from tpviz.processes import start_server
 
 from .conftest import REPO
 
@@ -201,6 +204,41 @@ def test_cancel_and_timeout_end_every_rank(tiny):
         with pytest.raises(tpviz.LoadError, match="timeout"):
             job.wait(PROMPT)
     assert children() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", ["timeout", "cancel", "unforked"])
+def test_a_stopped_rank_server_cannot_keep_the_job_from_ending(tiny, end):
+    """Forking a rank waits on the forkserver with no deadline of multiprocessing's: a stopped
+    server holds neither the timeout, nor a cancel, nor the liveness bound. The job ends
+    promptly and ends the server; the next launch starts a new one."""
+    plan = resolve_plan(tiny, 2)
+    start_server()
+    server = forkserver._forkserver._forkserver_pid
+    os.kill(server, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        job = tpviz.launch(
+            tiny,
+            2,
+            plan,
+            timeout=1.0 if end == "timeout" else None,
+            heartbeat_timeout=1.0 if end == "unforked" else PROMPT,
+        )
+        if end == "cancel":
+            job.cancel()
+        expected = {"timeout": "timeout", "cancel": "cancelled", "unforked": "not started"}
+        with pytest.raises(tpviz.LoadError, match=expected[end]):
+            job.wait(PROMPT)
+        job.shutdown()
+        assert time.monotonic() - began < PROMPT
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server, signal.SIGCONT)
+    assert not psutil.pid_exists(server)  # ended and reaped
+    assert children() == []
+    with tpviz.launch(tiny, 2, plan) as job:
+        assert job.wait(120)["plan_matches_shards"]
 
 
 def _open_files() -> int:

@@ -21,7 +21,7 @@ import torch
 from .commands import CommandChannel
 from .eventlog import EventLog
 from .events import LAUNCHER_RANK, Done, Error, Event, JobState, Phase
-from .liveness import death_message, silence_message
+from .liveness import death_message, silence_message, unforked_message
 from .messages import CommandName, EventBatch, Reply
 from .models import get_adapter, read_config
 from .plan import ResolvedPlan
@@ -54,13 +54,8 @@ class LoadError(RuntimeError):
     @classmethod
     def from_event(cls, event: Error) -> LoadError:
         where = f" loading {event.module}" if event.module else ""
-        return cls(
-            f"rank {event.rank} failed{where}: {event.message}",
-            event.rank,
-            event.module,
-            event.file,
-            event.traceback,
-        )
+        message = f"rank {event.rank} failed{where}: {event.message}"
+        return cls(message, event.rank, event.module, event.file, event.traceback)
 
 
 class MemoryForecastError(LoadError):
@@ -101,8 +96,9 @@ class LoadJob:
         self._cond = threading.Condition()
         self.started = time.time()  # the launch (or reload) request: startup counts from it
         self._timeout = timeout
-        self._deadline = time.monotonic() + timeout if timeout else None
-        # silence counts from the pump's first check once the processes exist
+        self._launched = time.monotonic()
+        self._deadline = self._launched + timeout if timeout else None
+        # silence counts from the pump's first check once a rank's process exists
         self._last_heard: list[float | None] = [None] * plan.world_size
         self._vocab: int | None = None  # read from config.json on the first forward
         self._relaunch = relaunch
@@ -175,7 +171,7 @@ class LoadJob:
                 self._rank_done()
 
     def _check(self) -> None:
-        """The ranks' health, on every pump tick: dead, over time, or silent."""
+        """The ranks' health, on every pump tick: dead, over time, silent or never forked."""
         if self.state.ended:
             return
         for rank, proc in enumerate(self._procs):
@@ -183,29 +179,31 @@ class LoadJob:
                 progress = self.progress[rank]
                 loading = self.state is JobState.STARTING
                 message = death_message(rank, proc.exitcode, progress, loading, self._warm)
-                self._log.append([Error(rank, time.time(), message=message)])
-                self._fail(LoadError(message, rank, progress.module))
-                return
-        if self._deadline and self.state is JobState.STARTING and time.monotonic() > self._deadline:
-            self._fail(
-                LoadError(f"the load did not finish within its timeout ({self._timeout:g} s)")
-            )
-            return
+                return self._rank_failed(rank, message)
         now = time.monotonic()
-        for rank, heard in enumerate(self._last_heard):
+        if self._deadline and self.state is JobState.STARTING and now > self._deadline:
+            message = f"the load did not finish within its timeout ({self._timeout:g} s)"
+            return self._fail(LoadError(message))
+        forked = len(self._procs)
+        # a fork takes milliseconds once the server has imported torch (seconds; tens loaded)
+        if forked < len(self._last_heard) and now - self._launched > 2 * self.heartbeat_timeout:
+            return self._rank_failed(forked, unforked_message(forked, now - self._launched))
+        for rank, heard in enumerate(self._last_heard[:forked]):
             if heard is None:
                 self._last_heard[rank] = heard = now
             if now - heard > self.heartbeat_timeout:
-                progress = self.progress[rank]
-                message = silence_message(rank, now - heard, progress, self._commands.running)
-                self._log.append(
-                    [Error(rank, time.time(), message=message, module=progress.module)]
-                )
-                self._fail(LoadError(message, rank, progress.module))
-                return
+                running = self._commands.running
+                message = silence_message(rank, now - heard, self.progress[rank], running)
+                return self._rank_failed(rank, message)
+
+    def _rank_failed(self, rank: int, message: str) -> None:
+        """End the job for what `rank` did (or did not do), in its log and its error."""
+        module = self.progress[rank].module
+        self._log.append([Error(rank, time.time(), message=message, module=module)])
+        self._fail(LoadError(message, rank, module))
 
     def _pump_failed(self, error: Exception) -> None:
-        self._fail(LoadError(f"tpviz's event pump failed: {type(error).__name__}: {error}"))
+        self._fail(LoadError(f"tpviz's launcher failed: {type(error).__name__}: {error}"))
 
     # --- states -----------------------------------------------------------------------------
 

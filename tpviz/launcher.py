@@ -123,7 +123,8 @@ def launch(
     `profile_forward` also profiles one forward of the fixed prompt after loading.
     `timeout` bounds the load in wall time; `heartbeat_timeout` (seconds) is how long a rank
     may stay silent (frozen, stopped, deadlocked) before the job fails, at any time from start
-    to shutdown: long-running `forward` or `call` commands are bounded only by it.
+    to shutdown: long-running `forward` or `call` commands are bounded only by it; a rank
+    tpviz's rank server has not forked within twice that fails the job too.
     `kv_replication=False` refuses world sizes past the key-value heads (see `resolve_plan`)."""
     _end_rank_running_an_unguarded_script()
     request = dict(locals())

@@ -43,3 +43,13 @@ def silence_message(rank: int, silence: float, progress: RankProgress, running: 
         f"rank {rank} stopped responding (no heartbeat for {silence:.0f} s) {doing}; "
         "it was ended with the job"
     )
+
+
+def unforked_message(rank: int, seconds: float) -> str:
+    """tpviz's rank server (multiprocessing's forkserver) had not forked `rank` `seconds`
+    after the launch: it is stopped, stuck or starved."""
+    return (
+        f"rank {rank} was not started: tpviz's rank server (the forkserver) had not forked it "
+        f"{seconds:.0f} s after the launch; the server was ended with the job, and the next "
+        "launch starts a new one"
+    )

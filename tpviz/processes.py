@@ -23,6 +23,12 @@ this process rather than its parent (the server), see heartbeat.py.
 The server's socket lives in multiprocessing's temp dir (`$TMPDIR/pymp-*`), which tpviz locks
 like its own: removed at interpreter exit, or as stale by the next launcher if this process
 was killed.
+
+Forking a rank waits on the server (multiprocessing gives that wait no deadline), so ranks are
+started by a thread of their own while the pump keeps checking the job: a server that is
+stopped or stuck cannot keep a timeout, a cancel or a signal from ending the job. Ending a
+job whose ranks are still being started ends the server too (`stop_server`); the next launch
+starts a fresh one.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -64,6 +71,7 @@ PRELOAD = ["tpviz.runtime.worker"]
 RANK_ENVIRON = {"THP_MEM_ALLOC_ENABLE": "1"}
 _server_lock = threading.Lock()
 _server_started = False
+_temp_dir_lock: int | None = None  # the fd whose flock marks multiprocessing's temp dir ours
 
 
 def remove_stale_workdirs() -> None:
@@ -111,10 +119,10 @@ def rank_imports(source: str | os.PathLike | None, model: str | None) -> list[st
 
 
 def start_server(preload: Sequence[str] = ()) -> mp.context.BaseContext:
-    """Start the forkserver ranks are forked from (once per process; at once, so that its
-    imports overlap the caller's own work), preloading `preload` too (see `rank_imports`),
-    and return its context."""
-    global _server_started
+    """Start the forkserver ranks are forked from (once per process, or again after
+    `stop_server`; at once, so that its imports overlap the caller's own work), preloading
+    `preload` too (see `rank_imports`), and return its context."""
+    global _server_started, _temp_dir_lock
     ctx = mp.get_context("forkserver")
     with _server_lock:
         if _server_started:
@@ -125,12 +133,28 @@ def start_server(preload: Sequence[str] = ()) -> mp.context.BaseContext:
         # launcher removes it if this process was killed. The server's own temp files (torch's
         # inductor cache dir) go there too.
         path = mp_util.get_temp_dir()
-        fd = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held (fd open) for as long as this process lives
+        if _temp_dir_lock is None:  # locked once: a second flock of ours would wait on the first
+            _temp_dir_lock = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(_temp_dir_lock, fcntl.LOCK_EX)  # held for as long as this process lives
         with _environ({**_missing_defaults(), "TMPDIR": path}):
             forkserver.ensure_running()  # the server takes this process's environment now
         _server_started = True
     return ctx
+
+
+def stop_server() -> None:
+    """End the forkserver now, even a stopped or stuck one (SIGKILL), so that a rank start
+    waiting on it returns; the next `start_server` starts a fresh one. The server's pid and
+    `_stop` (which reaps it and removes its socket) are multiprocessing's own, unexported."""
+    global _server_started
+    with _server_lock:
+        server = forkserver._forkserver
+        pid = server._forkserver_pid
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            server._stop()
+        _server_started = False
 
 
 def _missing_defaults() -> dict[str, str]:
@@ -177,6 +201,11 @@ class Ranks:
         self.conns: list[Connection] = []
         self.stop = threading.Event()
         self.pump: threading.Thread | None = None
+        self.starter: threading.Thread | None = None  # forks the ranks, one after another
+        self.start_error: Exception | None = None  # why the starter could not fork a rank
+        # ranks forked and not yet in procs/conns, which only the pump changes: one pump tick
+        # sees a rank's pipe and its exit together, so a message is read before a death
+        self._forked: list[tuple[Any, Connection]] = []
         self.listener: weakref.ref[Listener] | None = None  # the job the ranks now serve
         # each rank's RSS before the load whose release later loads are checked against: the
         # first, or the first since the ranks last ran a forward or a call
@@ -189,32 +218,37 @@ class Ranks:
         self, world: int, spec: Any, beat: float, listener: Listener, preload: Sequence[str] = ()
     ) -> None:
         """Start `world` ranks running `spec` (a WorkerSpec), each with its own pipe, and the
-        pump that serves `listener`. The pump starts the processes, so this returns at once
-        even while the forkserver is still importing (a rank is forked only after that)."""
+        pump that serves `listener`. A thread of its own starts the processes, so this returns
+        at once even while the forkserver is still importing (a rank is forked only after
+        that), and the pump checks the job meanwhile."""
         ctx = start_server(preload)
         payload = pickle.dumps(spec)
         environ = {**os.environ, **_missing_defaults()}  # now, not when the server started
 
-        def start_ranks() -> None:
-            for rank in range(world):
-                if self.stop.is_set():  # cancelled meanwhile
-                    return
-                parent_end, child_end = ctx.Pipe(duplex=True)
-                proc = ctx.Process(
-                    target=boot,
-                    args=(rank, payload, child_end, environ, beat, self.workdir),
-                    name=f"tpviz-rank{rank}",
-                    daemon=True,
-                )
+        def start_rank(rank: int) -> None:
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=boot,
+                args=(rank, payload, child_end, environ, beat, self.workdir),
+                name=f"tpviz-rank{rank}",
+                daemon=True,
+            )
+            try:
                 proc.start()
+            except BaseException:
+                parent_end.close()
+                raise
+            finally:
                 child_end.close()
-                self.procs.append(proc)
-                self.conns.append(parent_end)
+            with self._send_lock:
+                self._forked.append((proc, parent_end))
 
         self.listen(listener)
-        self.pump = threading.Thread(
-            target=_pump, args=(self, start_ranks), name="tpviz-pump", daemon=True
+        self.starter = threading.Thread(
+            target=_start_ranks, args=(self, world, start_rank), name="tpviz-start", daemon=True
         )
+        self.pump = threading.Thread(target=_pump, args=(self,), name="tpviz-pump", daemon=True)
+        self.starter.start()
         self.pump.start()
 
     def listen(self, listener: Listener) -> None:
@@ -241,8 +275,30 @@ class Ranks:
         elif pump is not threading.current_thread():
             pump.join(grace + TERMINATE_GRACE_SECONDS + timeout)
 
+    def adopt_forked(self) -> None:
+        """Serve the ranks forked since the last call (on the pump's thread, or once it ended)."""
+        with self._send_lock:
+            for proc, conn in self._forked:
+                self.procs.append(proc)
+                self.conns.append(conn)
+            self._forked.clear()
+
+    def _end_starter(self) -> None:
+        """Let the starter finish. One still waiting on the server after
+        TERMINATE_GRACE_SECONDS (a fork takes milliseconds) waits on a stopped or stuck server,
+        which is ended so that the wait returns."""
+        starter = self.starter
+        if starter is None or starter is threading.current_thread():
+            return
+        starter.join(TERMINATE_GRACE_SECONDS)
+        if starter.is_alive():
+            stop_server()
+            starter.join()
+        self.adopt_forked()  # so that they are ended with the rest
+
     def close(self) -> None:
         """End every rank (a grace, then TERM, then KILL), then release pipes and temp dir."""
+        self._end_starter()
         deadline = time.monotonic() + self.grace
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -269,13 +325,29 @@ class Ranks:
             self._lock_fd = None
 
 
-def _pump(ranks: Ranks, start_ranks: Callable[[], None]) -> None:
-    """Start the ranks, multiplex their pipes and sentinels until asked to stop, then close
-    them all (the pump is their one owner)."""
+def _start_ranks(ranks: Ranks, world: int, start_rank: Callable[[int], None]) -> None:
+    """Fork the ranks one after another, until all run or the job is ending; a failure is
+    left in `ranks.start_error` for the pump to report."""
+    for rank in range(world):
+        if ranks.stop.is_set():  # cancelled meanwhile
+            return
+        try:
+            start_rank(rank)
+        except Exception as e:
+            ranks.start_error = RuntimeError(
+                f"rank {rank} could not be started by tpviz's rank server (the forkserver): "
+                f"{type(e).__name__}: {e}"
+            )
+            return
+
+
+def _pump(ranks: Ranks) -> None:
+    """Multiplex the ranks' pipes and sentinels until asked to stop, then close them all (the
+    pump is their one owner)."""
     try:
-        start_ranks()
         while not ranks.stop.is_set() and _pump_once(ranks):
-            pass
+            if ranks.start_error is not None and not ranks.stop.is_set():
+                raise ranks.start_error
     except Exception as e:
         listener = ranks.listener()
         if listener is not None:
@@ -287,11 +359,13 @@ def _pump(ranks: Ranks, start_ranks: Callable[[], None]) -> None:
 
 def _pump_once(ranks: Ranks) -> bool:
     """Hand what is ready to the listener; False once the listener is gone (collected)."""
+    ranks.adopt_forked()
     conns = ranks.conns
     ready = wait(conns + [p.sentinel for p in ranks.procs], timeout=0.1)
     # Taken after the wait: a message ready now was sent before a later switch of listener
     # (`listen` happens before the next job's reload is sent), and one message is read per
-    # pipe, so each goes to the job it belongs to.
+    # pipe of a live rank, so each goes to the job it belongs to. A rank that has exited
+    # serves no later job: all it sent is read before the listener's check judges its end.
     listener = ranks.listener()
     if listener is None:
         return False
@@ -299,10 +373,19 @@ def _pump_once(ranks: Ranks) -> bool:
         if item in conns:
             rank = conns.index(item)
             listener._heard(rank)  # a readable pipe is a live (or ended) rank
-            try:
-                message = pickle.loads(item.recv_bytes())  # plain pickles: runtime/channel
-            except (EOFError, OSError):
-                continue  # the rank ended; its sentinel says how
-            listener._handle(rank, message)
+            exited = ranks.procs[rank].sentinel in ready
+            for message in _received(item, drain=exited):
+                listener._handle(rank, message)
     listener._check()
     return True
+
+
+def _received(conn: Connection, drain: bool) -> Iterator[Any]:
+    """The next message on a readable pipe, or (`drain`) every message left in it; nothing
+    once the rank's end is closed (its sentinel says how it ended)."""
+    try:
+        yield pickle.loads(conn.recv_bytes())  # plain pickles: runtime/channel
+        while drain and conn.poll():
+            yield pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return
