@@ -207,11 +207,29 @@ def test_an_uneven_expert_split_is_refused_with_the_world_sizes_that_work(tmp_pa
     assert {e.code for e in plan.errors} == {"uneven_experts"}
     error = plan.errors[0]
     assert error.name == f"{EXPERTS.format(0)}.gate_up_proj"
-    assert "world sizes that work: 1, 2, 3, 6, 7, 14, 21, 42" in error.message
+    assert error.message.endswith("world sizes that work: 1, 2")  # 3, 6, ...: would cut heads
     assert cli("plan", str(tmp_path), "--world-size", "4", "--plan", str(plan_file)).returncode == 2
     assert not tpviz.resolve_plan(tmp_path, 2, plan_file).errors
     with pytest.raises(tpviz.PlanError, match="uneven_experts|intermediate features"):
         tpviz.launch(tmp_path, 4, plan_file, init="random")
+
+
+def test_every_plan_error_suggests_only_world_sizes_that_meet_all_constraints(tmp_path):
+    """Four heads allow 1, 2, 4 and 20 expert features 1, 2, 4, 5, 10, 20: at 3 ranks both
+    errors list 1, 2, 4 (not 5 or 10); with 9 features (1, 3, 9) only 1 is left."""
+    config = config_of("mixtral")
+    config.intermediate_size, config.num_key_value_heads = 20, 4
+    config.save_pretrained(tmp_path)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(TP_PLANS["mixtral"]))
+    errors = tpviz.resolve_plan(tmp_path, 3, plan_file).errors
+    assert {e.code for e in errors} == {"head_alignment", "uneven_experts"}
+    assert all(e.message.endswith("world sizes that work: 1, 2, 4") for e in errors)
+    config.intermediate_size = 9  # 1, 3, 9 against the heads' 1, 2, 4
+    config.save_pretrained(tmp_path)
+    errors = tpviz.resolve_plan(tmp_path, 2, plan_file).errors
+    assert {e.code for e in errors} == {"uneven_experts"}
+    assert all(e.message.endswith("world sizes that work: 1") for e in errors)
 
 
 def test_an_even_split_over_four_ranks(moe):

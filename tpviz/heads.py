@@ -188,9 +188,9 @@ def alignment_errors(
             cutting.setdefault((c.what, c.count), []).append(c)
     if not cutting:
         return []
-    works = ", ".join(map(str, working_world_sizes(cuts, replicate_kv)))
+    also = ""
     if not replicate_kv and replicated_kv(cuts, world_size):
-        works += " (and this one with key-value replication, the default)"
+        also = " (this world size works with key-value replication, the default)"
     out = []
     for (what, count), found in cutting.items():
         first = found[0]
@@ -199,8 +199,7 @@ def alignment_errors(
                 first.module,
                 f"{count} {what} cannot be split over {world_size} ranks: the plan shards "
                 f"{len(found)} module(s) by head (e.g. {first.module}, dim {first.dim}, "
-                f"{first.unit} features a head) and would cut a head; world sizes that work: "
-                f"{works}",
+                f"{first.unit} features a head) and would cut a head{also}",
             )
         )
     return out

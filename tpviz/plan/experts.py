@@ -183,14 +183,14 @@ def check_expert_parallel(
             )
             continue
         n = e.global_shape[0]
+        errors.require_divisor_of(n)
         if n % world_size:
-            works = ", ".join(str(w) for w in range(1, n + 1) if n % w == 0)
             errors.add(
                 "uneven_experts",
                 module,
                 f"{module}: {n} experts cannot be split evenly over {world_size} ranks (expert "
-                f"parallelism holds whole experts, the same number on every rank); world sizes "
-                f"that work: {works}",
+                "parallelism holds whole experts, the same number on every rank)",
+                lists_world_sizes=True,
             )
 
 

@@ -4,7 +4,9 @@ skeleton has been walked (unsupported and unmatched keys, tied tensors, heads, r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -16,6 +18,7 @@ from .patterns import CompiledPlan
 from .types import PlanIssue, TensorPlan
 
 MAX_ISSUES_PER_CODE = 10
+MAX_LISTED_WORLD_SIZE = 64  # larger world sizes that work are counted, not listed
 MOSTLY_REPLICATED = 0.5  # above this share of replicated bytes, a plan gets a warning
 
 # Module styles that compute with their parameters as plain tensors (None: no style given),
@@ -24,22 +27,56 @@ PLAIN_TENSOR_STYLES = {None, "replicate", "replicated_with_grad_allreduce", "loc
 
 
 class Issues:
-    """Collects issues, keeping at most MAX_ISSUES_PER_CODE of each code plus a count."""
+    """Collects issues, keeping at most MAX_ISSUES_PER_CODE of each code plus a count.
+
+    Each world-size constraint (heads, experts) says which world sizes it allows, whether or not
+    this world size breaks it; an issue that breaks one lists the sizes that all of them allow,
+    so that no error suggests a world size that another would refuse."""
 
     def __init__(self) -> None:
         self.items: list[PlanIssue] = []
         self.dropped: dict[str, int] = {}
+        # the constraints' allowed sizes, computed only when an issue lists them
+        self._constraints: list[Callable[[], Iterable[int]]] = []
+        self._common_divisor = 0  # gcd of the counts a world size must divide (0: none)
+        self._listing: list[int] = []  # indices of the items that list them
 
-    def add(self, code: str, name: str, message: str) -> None:
+    def add(self, code: str, name: str, message: str, *, lists_world_sizes: bool = False) -> None:
         if sum(i.code == code for i in self.items) < MAX_ISSUES_PER_CODE:
+            if lists_world_sizes:
+                self._listing.append(len(self.items))
             self.items.append(PlanIssue(code, name, message))
         else:
             self.dropped[code] = self.dropped.get(code, 0) + 1
 
+    def allow_world_sizes(self, sizes: Callable[[], Iterable[int]]) -> None:
+        """A world-size constraint: `sizes()` gives the world sizes it allows."""
+        self._constraints.append(sizes)
+
+    def require_divisor_of(self, count: int) -> None:
+        """A world-size constraint: the world size must divide `count` (kept as one gcd, so that
+        thousands of per-expert tensors cost nothing)."""
+        self._common_divisor = math.gcd(self._common_divisor, count)
+
     def finish(self) -> list[PlanIssue]:
+        if self._listing:
+            works = self._working_world_sizes()
+        for i in self._listing:
+            self.items[i] = replace(self.items[i], message=f"{self.items[i].message}; {works}")
         for code, n in self.dropped.items():
             self.items.append(PlanIssue(code, "", f"... and {n} more {code} issue(s)"))
         return self.items
+
+    def _working_world_sizes(self) -> str:
+        # 1 meets every constraint, so the list is never empty
+        allowed = [set(sizes()) for sizes in self._constraints]
+        if self._common_divisor:
+            n = self._common_divisor
+            allowed.append({w for w in range(1, n + 1) if n % w == 0})
+        sizes = sorted(set.intersection(*allowed))
+        listed = [str(w) for w in sizes if w <= MAX_LISTED_WORLD_SIZE]
+        more = f" and {len(sizes) - len(listed)} larger" if len(sizes) > len(listed) else ""
+        return f"world sizes that work: {', '.join(listed)}{more}"
 
 
 @dataclass
@@ -121,8 +158,10 @@ def check_heads(
     re-place entries and change `module_styles`). Returns the attention modules whose
     key-value heads are replicated -> their query heads per key-value head on each rank."""
     cuts = heads.head_cuts(skeleton, module_styles, counts)
+    if cuts:
+        issues.errors.allow_world_sizes(lambda: heads.working_world_sizes(cuts, kv_replication))
     for module, message in heads.alignment_errors(cuts, world_size, kv_replication):
-        issues.errors.add("head_alignment", module, message)
+        issues.errors.add("head_alignment", module, message, lists_world_sizes=True)
     grouped = heads.replicated_kv(cuts, world_size) if kv_replication else []
     kv_groups = {c.module: c.count for c in grouped}
     _replicate_kv(kv_groups, entries, module_styles, world_size, issues)

@@ -183,15 +183,15 @@ class Walk:
         """Experts cut by TP run transformers' experts kernel on every rank's slices; its
         grouped matmul needs equal, aligned slices, so an uneven split is refused before launch
         (the plan itself would follow torch.chunk semantics)."""
+        self.errors.require_divisor_of(features)
         if features % self.world_size == 0:
             return
-        works = ", ".join(str(n) for n in range(1, min(features, 64) + 1) if features % n == 0)
         self.errors.add(
             "uneven_experts",
             name,
             f"{name}: {features} intermediate features of every expert cannot be split evenly "
-            f"over {self.world_size} ranks (transformers' experts kernel needs equal slices); "
-            f"world sizes that work: {works}",
+            f"over {self.world_size} ranks (transformers' experts kernel needs equal slices)",
+            lists_world_sizes=True,
         )
 
     def _entry(
