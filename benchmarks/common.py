@@ -15,9 +15,12 @@ import torch
 import torch.distributed as dist
 
 import tpviz
-from tpviz.checkpoint import Checkpoint
+from tpviz.checkpoint import BlockReader, Checkpoint, torch_dtype
 from tpviz.models.demo import demo_checkpoint
+from tpviz.runtime.arena import ShardArena
+from tpviz.runtime.executor import read_into
 from tpviz.runtime.memory import prefault
+from tpviz.strategies.reads import own_reads
 
 CHUNK = 64 << 20
 
@@ -110,4 +113,25 @@ def floor_in_rank(
     out = floor_load(source, per_rank_bytes[rank], rank, len(per_rank_bytes), huge_pages)
     seconds = time.perf_counter() - start
     del out
+    return seconds
+
+
+def plan_reads_in_rank(model, plan: tpviz.ResolvedPlan) -> float:
+    """Seconds of the plan's own reads inside a loaded job's rank (`job.call`): fresh memory for
+    the rank's bytes made as tpviz makes it (one block, runtime/arena.py), filled by exactly the
+    block reads the plan gives this rank, and nothing else (no DTensors, events or checks). The
+    floor for this plan's read pattern: a rank whose shards are column blocks reads each row's
+    part on its own, which costs more than the same bytes read as one run."""
+    rank = dist.get_rank()
+    checkpoint = Checkpoint.open(plan.source)
+    start = time.perf_counter()
+    arena = ShardArena(plan, rank)
+    with BlockReader() as reader:
+        for _, tensors in plan.units():
+            for t in tensors:
+                local = arena.take(t.ranks[rank].shape, torch_dtype(t.dtype))
+                infos = [checkpoint.tensors[key] for key in t.checkpoint_keys]
+                read_into(local, own_reads(t, rank, "cpu"), infos, None, reader)
+    seconds = time.perf_counter() - start
+    del arena, local
     return seconds

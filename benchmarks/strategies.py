@@ -19,7 +19,9 @@ bytes sent/received, with ratios to sliced. Then:
 - the same comparison on warm ranks: one job reloads the sliced load `--rounds` x 3 times, each
   load followed by the floor in the same processes (both then reuse memory the ranks freed a
   moment before, so the host's cost of fresh memory, which swings by 10x on a virtual machine,
-  weighs less on the ratio);
+  weighs less on the ratio), and by the plan's own reads alone (the same block reads into the
+  same kind of memory, nothing else): what the plan's read pattern costs over the floor
+  (column blocks read each row's part on its own), apart from what tpviz adds around reads;
 - the check that each sliced rank's peak tensor bytes stay within its final shard plus the
   largest single slice it reads;
 - what profiling off costs: the no-op span calls of one load, timed.
@@ -38,7 +40,7 @@ import time
 import timeit
 
 import torch
-from common import floor_in_rank, gib, median, parse_args
+from common import floor_in_rank, gib, median, parse_args, plan_reads_in_rank
 
 import tpviz
 from tpviz.profiling import no_span
@@ -74,22 +76,37 @@ def machine_copy_bandwidth(nbytes: int, processes: int) -> tuple[float, float]:
 
 def warm_ranks(source, plan, reloads: int) -> None:
     """Sliced `seconds` against the floor, alternating in the same warm rank processes."""
-    seconds, floors = [], []
+    seconds, floors, plan_reads = [], [], []
     with tpviz.launch(source, plan.world_size, plan) as job:
         job.wait()
-        for _ in range(reloads):
+        for i in range(reloads):
             job = job.reload()
             seconds.append([r["seconds"] for r in job.wait()["ranks"]])
-            floors.append(job.call(floor_in_rank, str(source), plan.per_rank_bytes))
+            for measure in (0, 1) if i % 2 == 0 else (1, 0):
+                if measure:
+                    plan_reads.append(job.call(plan_reads_in_rank, plan))
+                else:
+                    floors.append(job.call(floor_in_rank, str(source), plan.per_rank_bytes))
         job.shutdown()
-    print(f"\non warm ranks, {reloads} reloads each followed by the floor in the same processes:")
+    print(
+        f"\non warm ranks, {reloads} reloads each followed by the floor and by the plan's own "
+        "reads alone (the floor for its read pattern) in the same processes:"
+    )
     for rank in range(plan.world_size):
         mine, floor = [s[rank] for s in seconds], [f[rank] for f in floors]
-        each = [a / b for a, b in zip(mine, floor)]
+        reads = [r[rank] for r in plan_reads]
         print(
-            f"  rank {rank}: sliced {median(mine):.3f} s, floor {median(floor):.3f} s: "
-            f"{median(each):.2f}x ({min(each):.2f}-{max(each):.2f}) (target <= 1.1x)"
+            f"  rank {rank}: sliced {median(mine):.3f} s, floor {median(floor):.3f} s, the "
+            f"plan's reads {median(reads):.3f} s; sliced / floor {ratios(mine, floor)} (target "
+            f"<= 1.1x), the plan's reads / floor {ratios(reads, floor)}, sliced / the plan's "
+            f"reads {ratios(mine, reads)}"
         )
+
+
+def ratios(a: list[float], b: list[float]) -> str:
+    """The median of the ratios of paired runs, with their range."""
+    each = [x / y for x, y in zip(a, b)]
+    return f"{median(each):.2f}x ({min(each):.2f}-{max(each):.2f})"
 
 
 def main() -> None:
