@@ -107,6 +107,69 @@ def test_cli_loads_a_bf16_checkpoint_and_verifies(hf_checkpoints):
     assert result["plan_matches_shards"] and result["verify"]["ok"]
 
 
+ROUTER = ["model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"]
+
+
+@pytest.fixture(scope="module")
+def bf16_with_float32_router(tmp_path_factory):
+    """A GLM-4 MoE checkpoint as transformers saves it in bfloat16: its routers (the class's
+    `_keep_in_fp32_modules_strict`) stay float32. Correction biases near 6 make the routing
+    depend on the bits a bfloat16 cast would drop."""
+    root = tmp_path_factory.mktemp("glm4-moe")
+    config = transformers.AutoConfig.for_model(
+        "glm4_moe",
+        **dict(MOE, moe_intermediate_size=32, head_dim=16, first_k_dense_replace=1),
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        bias = model.get_buffer(ROUTER[1])
+        bias.copy_(6.0 + torch.rand_like(bias) * 0.05)
+    model.save_pretrained(root / "float32")
+    hf_model(root / "float32", torch.bfloat16).save_pretrained(root / "bfloat16")
+    return root
+
+
+def test_what_transformers_keeps_float32_stays_float32_in_the_plan(bf16_with_float32_router):
+    root = bf16_with_float32_router
+    for source, dtype in [(root / "bfloat16", None), (root / "float32", "bfloat16")]:
+        plan = tpviz.resolve_plan(source, 2, dtype=dtype)
+        assert plan.dtype == "bfloat16" and not plan.errors
+        assert [plan.tensor(n).dtype for n in ROUTER] == ["float32", "float32"]
+        assert plan.tensor("model.layers.1.mlp.experts.gate_up_proj").dtype == "bfloat16"
+        router = plan.tensor(ROUTER[0])
+        assert router.ranks[0].bytes == router.nbytes == 8 * 64 * 4  # whole, 4 bytes each
+    assert plan.tensor(ROUTER[0]).source_dtype in (None, "float32")
+    assert [
+        t.dtype
+        for t in tpviz.resolve_plan(root / "bfloat16", 2, dtype="float32").params
+        if t.name in ROUTER
+    ] == ["float32", "float32"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experts", ["tp", "ep"])
+def test_a_bf16_moe_routes_as_transformers_does(bf16_with_float32_router, experts):
+    source = bf16_with_float32_router / "bfloat16"
+    ids = torch.randint(0, 1003, (1, 48), generator=torch.Generator().manual_seed(1))
+    with tpviz.launch(source, 2, experts=experts, verify=True) as job:
+        result = job.wait(180)
+        logits = job.forward(ids)
+        held = job.call(rank_tensors, ROUTER)
+    assert result["plan_matches_shards"] and result["verify"]["ok"]
+    assert all(rank[n].dtype == torch.float32 for rank in held for n in ROUTER)
+    with torch.no_grad():
+        expected = hf_model(source, torch.bfloat16)(ids).logits
+    # bfloat16 sums in another order differ by about 0.004; a router cast to bfloat16 picks
+    # other experts, 0.03 apart
+    assert (logits.float() - expected.float()).abs().max().item() <= 1e-2
+
+
 # --- renamed keys -----------------------------------------------------------------------------
 
 

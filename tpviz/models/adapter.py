@@ -6,6 +6,7 @@ importing the package that chooses among them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,11 @@ class ModelAdapter:
 
     def head_counts(self, config: dict[str, Any]) -> HeadCounts | None:
         return HeadCounts.from_config(config)
+
+    def kept_in_float32(self, model: nn.Module, dtype: torch.dtype) -> re.Pattern | None:
+        """The tensors (searched by name) that stay float32 when the model loads in `dtype`,
+        because a 16-bit dtype would lose what they need (MoE routers, for one); None: none."""
+        return None
 
     def checkpoint_map(
         self, model: nn.Module, shapes: Mapping[str, Sequence[int]]

@@ -6,6 +6,7 @@ checkpoint (`auto_map` in config.json) runs only with `--model hf-remote-code`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,15 @@ class HFAdapter(ModelAdapter):
                 f"transformers cannot build a causal LM from this config ({e})"
             ) from None
         return model
+
+    def kept_in_float32(self, model: nn.Module, dtype: torch.dtype) -> re.Pattern | None:
+        """What transformers keeps float32 at load: the model's `_keep_in_fp32_modules` (under
+        float16) and `_keep_in_fp32_modules_strict` (under any 16-bit dtype), its submodules'
+        included, matched as transformers matches them (`*` any text, searched in the name)."""
+        kept = getattr(model, "_get_dtype_plan", lambda _: {})(dtype)
+        if not kept:
+            return None
+        return re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in kept))
 
     def head_counts(self, config: dict[str, Any]) -> HeadCounts | None:
         return HeadCounts.from_config(self.hf_config.get_text_config())

@@ -199,7 +199,8 @@ def _resolve(
     compiled = CompiledPlan(patterns)
     for issue in compiled.errors:
         issues.errors.add(issue.code, issue.name, issue.message)
-    walk = Walk(compiled, world_size, target, issues.errors)
+    kept = found.adapter.kept_in_float32(found.skeleton, target)
+    walk = Walk(compiled, world_size, target, issues.errors, kept)
     for mod_name, module in found.skeleton.named_modules():
         walk.visit(mod_name, module)
     report_unsupported(walk.unsupported, issues.errors)

@@ -7,6 +7,7 @@ what each rank holds. A tensor tied to an earlier one is listed once, under the 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -66,11 +67,17 @@ class Walk:
     style of every module that has one, and the modules given each unexecutable style."""
 
     def __init__(
-        self, compiled: CompiledPlan, world_size: int, target: torch.dtype, errors: Issues
+        self,
+        compiled: CompiledPlan,
+        world_size: int,
+        target: torch.dtype,
+        errors: Issues,
+        kept_in_float32: re.Pattern | None = None,
     ) -> None:
         self.compiled = compiled
         self.world_size = world_size
         self.target = target
+        self.kept_in_float32 = kept_in_float32  # names the model keeps float32 (adapter's)
         self.errors = errors
         self.entries: list[TensorPlan] = []
         self.by_id: dict[int, TensorPlan] = {}  # parameter storage -> its entry, for ties
@@ -194,6 +201,15 @@ class Walk:
             lists_world_sizes=True,
         )
 
+    def _dtype(self, t: _Tensor) -> torch.dtype:
+        """The target dtype, but computed buffers (rotary frequencies) keep the dtype the model
+        computes them in, and what the model keeps float32 stays float32."""
+        if not (t.value.dtype.is_floating_point and t.persistent):
+            return t.value.dtype
+        if self.kept_in_float32 and self.kept_in_float32.search(t.name):
+            return torch.float32
+        return self.target
+
     def _entry(
         self,
         t: _Tensor,
@@ -202,9 +218,7 @@ class Walk:
         cut: styles.Cut,
         shape: list[int],
     ) -> TensorPlan:
-        # computed buffers (rotary frequencies) keep the dtype the model computes them in
-        cast = t.value.dtype.is_floating_point and t.persistent
-        dtype = self.target if cast else t.value.dtype
+        dtype = self._dtype(t)
         return TensorPlan(
             name=t.name,
             module=t.module,

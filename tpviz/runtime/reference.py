@@ -24,17 +24,21 @@ def plan_skeleton(
     skeleton: nn.Module | None = None,
 ) -> nn.Module:
     """The meta skeleton (`skeleton`, the one the plan was resolved on, or a new one) with
-    every tensor in the plan's dtype and the computed buffers made for real on `device`.
-    Computed buffers (rotary caches) keep the dtype the model class gives them: casting the
-    skeleton first would compute them in a 16-bit target dtype, where transformers keeps them
-    in float32."""
+    every tensor in its dtype in the plan and the computed buffers made for real on `device`.
+    Tensors that the plan keeps out of its dtype keep theirs: computed buffers (rotary caches;
+    computed in a 16-bit dtype they would differ from transformers', which keeps them float32)
+    and what the model keeps float32 (MoE routers)."""
     if skeleton is None:
         skeleton = build_skeleton(adapter, config)
     model = skeleton.to(torch_dtype(plan.dtype))
     for t in plan.params:
-        if t.origin == "computed":
+        if t.dtype != plan.dtype:
             owner, leaf = owner_of(model, t.name)
-            owner._buffers[leaf] = owner._buffers[leaf].to(torch_dtype(t.dtype))
+            tensor = owner._parameters.get(leaf)
+            if tensor is None:
+                owner._buffers[leaf] = owner._buffers[leaf].to(torch_dtype(t.dtype))
+            else:  # in place, as Module.to does, so that tied names keep one parameter
+                tensor.data = tensor.data.to(torch_dtype(t.dtype))
     adapter.compute_buffers(model, device)
     return model
 
