@@ -260,6 +260,27 @@ def test_tied_weights_appear_once_and_shard_alike(tiny_tied):
     assert not plan.errors
 
 
+def test_a_stored_copy_of_a_tied_tensor_is_left_unread_with_a_warning(tiny_tied, tmp_path):
+    """Conversions often save `lm_head.weight` beside the embedding it is tied to: transformers
+    loads such a checkpoint (the tie wins), so tpviz plans it, reading the embedding's key; a
+    copy of another shape is still an error."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tiny_tied / "model.safetensors")
+    copy = weights["model.embed_tokens.weight"].clone()
+    for name, value in [("with-copy", copy), ("with-other", copy[:, :8].contiguous())]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_bytes((tiny_tied / "config.json").read_bytes())
+        save_file({**weights, "lm_head.weight": value}, tmp_path / name / "model.safetensors")
+    plan = resolve_plan(tmp_path / "with-copy", 2)
+    assert not plan.errors
+    assert plan.tensor("lm_head.weight").checkpoint_keys == ["model.embed_tokens.weight"]
+    (warning,) = [w for w in plan.warnings if w.code == "tied_copy_unread"]
+    assert warning.message.startswith("lm_head.weight: tied to model.embed_tokens.weight")
+    errors = resolve_plan(tmp_path / "with-other", 2).errors
+    assert [(e.code, e.name) for e in errors] == [("unexpected_tensor", "lm_head.weight")]
+
+
 def test_tied_weights_with_conflicting_styles_are_an_error(tiny_tied):
     plan = resolve_plan(tiny_tied, 2, {"embed_tokens": "embedding_rowwise", "lm_head": "rowwise"})
     assert [e.code for e in plan.errors] == ["tied_mismatch"]

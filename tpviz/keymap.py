@@ -100,15 +100,28 @@ class KeyMap:
     ignored: set[str] = field(default_factory=set)
 
 
-def match_checkpoint(entries: Sequence, ckpt: Checkpoint, keymap: KeyMap | None, errors) -> None:
+def match_checkpoint(
+    entries: Sequence, ckpt: Checkpoint, keymap: KeyMap | None, errors, warnings
+) -> None:
     """Give each loaded tensor plan its checkpoint keys (and sources, if assembled), checked
     against the headers; `errors.add` the model tensors the checkpoint lacks or cannot give and
-    the checkpoint tensors the model does not use. `keymap` None: a tensor's key is its name."""
+    the checkpoint tensors the model does not use, `warnings.add` the copies of tied tensors
+    left unread. `keymap` None: a tensor's key is its name."""
     used = set(keymap.ignored) if keymap else set()
     for e in entries:
         if e.origin != "checkpoint":
             continue
         found = _assembly(e, ckpt, keymap)
+        copies = _tied_copies(e, found, ckpt, keymap)
+        if copies:
+            used.update(copies)
+            warnings.add(
+                "tied_copy_unread",
+                e.name,
+                f"{', '.join(copies)}: tied to {e.name} (tie_word_embeddings or the model's own "
+                f"ties), which is read from {', '.join(found.keys)}; the checkpoint's copy is "
+                "not read, as transformers does not use it either",
+            )
         if found is None:
             errors.add(
                 "missing_tensor",
@@ -152,11 +165,28 @@ def match_checkpoint(entries: Sequence, ckpt: Checkpoint, keymap: KeyMap | None,
 
 
 def _assembly(e, ckpt: Checkpoint, keymap: KeyMap | None) -> Assembly | None:
-    names = [e.name, *e.tied_to]
+    """How the tensor is read: from the first of its tied names the checkpoint holds."""
+    return next(filter(None, (_assembly_of(n, ckpt, keymap) for n in [e.name, *e.tied_to])), None)
+
+
+def _assembly_of(name: str, ckpt: Checkpoint, keymap: KeyMap | None) -> Assembly | None:
     if keymap is not None:
-        return next((keymap.assemblies[n] for n in names if n in keymap.assemblies), None)
-    key = next((n for n in names if n in ckpt.tensors), None)
-    return None if key is None else Assembly([key], list(ckpt.tensors[key].shape))
+        return keymap.assemblies.get(name)
+    return Assembly([name], list(ckpt.tensors[name].shape)) if name in ckpt.tensors else None
+
+
+def _tied_copies(e, found: Assembly | None, ckpt: Checkpoint, keymap: KeyMap | None) -> list[str]:
+    """The checkpoint keys of the tensor's other tied names, where they hold a whole copy of the
+    tensor read (a checkpoint saved without dropping tied copies): one tensor, same shape."""
+    if found is None or found.error:
+        return []
+    copies = []
+    for name in [e.name, *e.tied_to]:
+        other = _assembly_of(name, ckpt, keymap)
+        if other and other.keys != found.keys and len(other.keys) == 1 and not other.error:
+            if other.shape == found.shape:
+                copies += other.keys
+    return copies
 
 
 @dataclass(frozen=True, slots=True)

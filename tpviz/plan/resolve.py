@@ -264,7 +264,7 @@ def _check_checkpoint(found: SourceModel, entries: list[TensorPlan], issues: Pla
     if ckpt.has_weights:
         shapes = {k: info.shape for k, info in ckpt.tensors.items()}
         keymap = found.adapter.checkpoint_map(found.skeleton, shapes)
-        match_checkpoint(entries, ckpt, keymap, issues.errors)
+        match_checkpoint(entries, ckpt, keymap, issues.errors, issues.warnings)
 
 
 def _plan(
