@@ -385,3 +385,21 @@ def test_cancel_during_a_reload_and_a_rank_dying_between_loads(tiny):
     assert time.monotonic() - start < PROMPT
     job.shutdown()
     assert children() == []
+
+
+@pytest.mark.slow
+def test_a_failed_verify_says_why_in_one_line_without_a_traceback(tiny, tmp_path, cli):
+    """A plan whose forward cannot run (attention's projections cut the wrong way round)
+    loads as planned, then its verify fails: exit 1, one line on stderr, an error in the JSON."""
+    plan = tmp_path / "swapped.json"
+    plan.write_text(
+        json.dumps({"layers.*.self_attn.q_proj": "rowwise", "layers.*.self_attn.o_proj": "colwise"})
+    )
+    done = cli("load", str(tiny), "--world-size", "2", "--plan", str(plan), "--verify", "--json")
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("tpviz load: verify failed: LoadError: rank 0: forward failed: ")
+    result = json.loads(done.stdout)
+    assert result["plan_matches_shards"] and result["verify"]["ok"] is False
+    assert [e["code"] for e in result["errors"]] == ["VerifyFailed"]
+    assert "\n" not in result["verify"]["error"]

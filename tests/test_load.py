@@ -158,6 +158,25 @@ def test_call_runs_on_every_rank_and_shards_hold_the_checkpoint_slices(job2, tin
     assert all(torch.equal(a, b) for a, b in zip(parts, by_path))
 
 
+def fails_deep_down(model):
+    raise RuntimeError("first line\nsecond line")
+
+
+def returns_what_cannot_be_sent(model):
+    return lambda: None
+
+
+def test_a_failed_call_is_one_line_with_the_traceback_beside_it_and_the_job_lives_on(job2):
+    with pytest.raises(tpviz.LoadError) as failed:
+        job2.call(fails_deep_down)
+    error = failed.value
+    assert str(error) == "rank 0: call failed: RuntimeError: first line" and error.rank == 0
+    assert "Traceback" in error.traceback and "fails_deep_down" in error.traceback
+    with pytest.raises(tpviz.LoadError, match="its result cannot be sent back: .*pickle"):
+        job2.call(returns_what_cannot_be_sent)
+    assert job2.state == "loaded" and len(job2.call(shard_fingerprint, "model.norm.weight")) == 2
+
+
 def test_events_cover_phases_units_and_memory(job2):
     events = job2.events
     units = len(job2.plan.units())

@@ -205,13 +205,26 @@ def cmd_load(args: argparse.Namespace) -> int:
     errors = list(result.output_errors or [])
     if report:
         errors += _write_report(report, plan, [result], [job.events])
-    return _finish(args, result.to_dict(), load_table(result), errors, _succeeded(result))
+    return _finish(args, result.to_dict(), load_table(result), errors + _failures(result))
 
 
-def _succeeded(result: LoadResult) -> bool:
-    verify_ok = (result.verify or {}).get("ok") is not False
-    init_ok = (result.init_check or {}).get("ok", True)
-    return bool(result.plan_matches_shards) and verify_ok and init_ok
+def _failures(result: LoadResult, label: str = "") -> list[dict]:
+    """What makes a finished load a failure (exit 1), one error each: shards that differ from
+    the plan, a failed verify, a random init whose replicated tensors disagree."""
+    out = []
+    if not result.plan_matches_shards:
+        names = sorted({n for r in result.ranks for n in r.mismatches})
+        out.append(("ShardMismatch", f"the shards differ from the plan: {', '.join(names[:5])}"))
+    verify = result.verify or {}
+    if verify.get("ok") is False:
+        why = verify.get("error") or (
+            f"max |logits - reference| = {verify['max_abs_diff']:.3g} is above the tolerance "
+            f"{verify['tolerance']:g}"
+        )
+        out.append(("VerifyFailed", f"verify failed: {why}"))
+    if (result.init_check or {}).get("ok", True) is False:
+        out.append(("InitCheckFailed", "random init: replicated tensors differ across ranks"))
+    return [{"code": code, "message": label + message} for code, message in out]
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -245,22 +258,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
     text = "\n\n".join(
         [*(load_table(r) for r in results), "comparison:\n" + compare_table(results)]
     )
-    ok = all(_succeeded(r) for r in results)
-    return _finish(args, {"strategies": [r.to_dict() for r in results]}, text, errors, ok)
+    errors += [e for r in results for e in _failures(r, f"{r.strategy}: ")]
+    return _finish(args, {"strategies": [r.to_dict() for r in results]}, text, errors)
 
 
-def _finish(
-    args: argparse.Namespace, data: dict[str, Any], text: str, errors: list[dict], ok: bool
-) -> int:
-    """Show the result, then one line per output that could not be written (exit 1): a
-    failed output never hides the load result."""
-    unique = list({e["message"]: e for e in errors}.values())
+def _finish(args: argparse.Namespace, data: dict[str, Any], text: str, errors: list[dict]) -> int:
+    """Show the result, then one line per failure or output that could not be written (exit
+    1): neither hides the load result."""
+    unique = list({e["message"]: {"code": "OutputWriteError", **e} for e in errors}.values())
     if unique:
-        data = {**data, "errors": [{"code": "OutputWriteError", **e} for e in unique]}
+        data = {**data, "errors": unique}
     _emit(args, data, text)
     for error in unique:
         print(f"tpviz {args.command}: {error['message']}", file=sys.stderr)
-    return 0 if ok and not unique else FAILURE
+    return FAILURE if unique else 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -279,8 +290,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"plan for {source}:\n{plan_table(plan)}\n")
     with launch(source, args.world_size, plan, verify=True) as job:
         result = follow(job, show=not args.json)
-    _emit(args, result.to_dict(), load_table(result))
-    return 0 if _succeeded(result) else FAILURE
+    return _finish(args, result.to_dict(), load_table(result), _failures(result))
 
 
 COMMANDS = {

@@ -310,9 +310,9 @@ class LoadJob:
         world = self.plan.world_size
         if len(replies) < world:
             raise LoadError(f"the job is {self.state}; {name} was not finished")
-        errors = [reply.payload for reply in replies.values() if not reply.ok]
-        if errors:
-            raise LoadError(errors[0])
+        failed = next((r for r in sorted(replies) if not replies[r].ok), None)
+        if failed is not None:  # the traceback stays on the error, off its message
+            raise LoadError(replies[failed].payload, failed, traceback=replies[failed].traceback)
         return [replies[r].payload for r in range(world)]
 
     def forward(self, input_ids: torch.Tensor | list) -> torch.Tensor:

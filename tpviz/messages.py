@@ -34,7 +34,8 @@ class EventBatch:
 class Reply:
     command_id: int
     ok: bool
-    payload: Any  # the command's value, or the error text when not ok
+    payload: Any  # the command's value, or (not ok) the error, one line
+    traceback: str = ""  # where the error arose in the rank (not ok)
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,19 +118,26 @@ def _serve(loaded: ShardedModel, channel: Channel) -> WorkerSpec | None:
             return None
         if command.name is CommandName.RELOAD:
             return command.args[0]
-        channel.send(_run_command(loaded, command))
+        reply = _run_command(loaded, command)
+        try:
+            channel.send(reply)
+        except Exception as e:  # the value cannot be pickled (nothing was sent): say so
+            channel.send(_failed(loaded, command, e, "its result cannot be sent back: "))
 
 
 def _run_command(loaded: ShardedModel, command: Command) -> Reply:
     try:
         payload = COMMANDS[command.name](loaded, *command.args)
     except Exception as e:
-        text = (
-            f"rank {loaded.rank}: {command.name} failed: {type(e).__name__}: {e}\n"
-            f"{traceback.format_exc()}"
-        )
-        return Reply(command.command_id, False, text)
+        return _failed(loaded, command, e)
     return Reply(command.command_id, True, payload)
+
+
+def _failed(loaded: ShardedModel, command: Command, error: Exception, why: str = "") -> Reply:
+    """A command's failure: one line for the caller, the traceback beside it."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = f"rank {loaded.rank}: {command.name} failed: {why}{type(error).__name__}: {first}"
+    return Reply(command.command_id, False, text, traceback.format_exc())
 
 
 def _forward(loaded: ShardedModel, input_ids: torch.Tensor) -> torch.Tensor | None:
