@@ -167,7 +167,7 @@ def test_the_layout_is_in_the_plan_json_and_checked_against_a_resolved_plan(moe,
     assert placed[f"{EXPERTS.format(0)}.down_proj"] == "shard(0)"
     plan = tpviz.ResolvedPlan.from_json(result.stdout)
     assert plan.experts == "ep" and tpviz.resolve_plan(moe["olmoe"], 2, plan) is plan
-    with pytest.raises(ValueError, match="experts='ep'"):
+    with pytest.raises(ValueError, match="resolved for experts ep, not tp"):
         tpviz.resolve_plan(moe["olmoe"], 2, plan, experts="tp")
     with pytest.raises(ValueError, match="experts must be one of tp, ep"):
         tpviz.resolve_plan(moe["olmoe"], 2, experts="expert")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import tpviz
 from tpviz import styles
 from tpviz.plan import (
     ResolvedPlan,
@@ -508,3 +509,33 @@ def test_a_rope_scaling_the_builtin_llama_lacks_is_planned_with_transformers(tmp
     pytest.importorskip("transformers")
     assert resolve_plan(source, 8).model == "hf"  # what `auto` picks for it
     assert resolve_plan(write_config(tmp_path / "llama3", **LLAMA_70B), 8).model == "builtin"
+
+
+def test_a_resolved_plan_refuses_arguments_it_contradicts(tiny, tiny_tied):
+    """A ResolvedPlan is executed as it is: another source, dtype, model, world size or expert
+    layout than its own is refused, not silently replaced by the plan's."""
+    plan = resolve_plan(tiny, 2)
+    assert resolve_plan(tiny, 2, plan, dtype="float32", model="auto") is plan
+    assert resolve_plan(str(tiny), 2, plan, dtype=torch.float32, model="builtin") is plan
+    for kwargs, what in [
+        ({"source": tiny_tied}, "source"),
+        ({"dtype": "bfloat16"}, "dtype float32, not bfloat16"),
+        ({"model": "hf"}, "model builtin, not hf"),
+        ({"world_size": 4}, "world size 2, not 4"),
+        ({"experts": "ep"}, "experts tp, not ep"),
+    ]:
+        args = {"source": tiny, "world_size": 2, **kwargs}
+        with pytest.raises(ValueError, match=f"resolved for {what}"):
+            resolve_plan(args.pop("source"), args.pop("world_size"), plan, **args)
+    with pytest.raises(ValueError, match="resolved for source"):
+        tpviz.launch(tiny_tied, 2, plan)  # refused before any rank starts
+
+
+@pytest.mark.parametrize("style", ["moe_tp_experts", "ep_dispatch_experts"])
+def test_an_experts_style_on_a_module_without_stacked_experts_is_an_error(tiny, style):
+    """An experts module's style all-reduces its output: on a Linear the logits would be
+    wrong, so the plan is refused before launch."""
+    plan = resolve_plan(tiny, 2, {"layers.*.self_attn.q_proj": style})
+    assert {e.code for e in plan.errors} == {"unsupported_style"}
+    assert "applies to an experts module" in plan.errors[0].message
+    assert "this module is Linear" in plan.errors[0].message

@@ -69,19 +69,41 @@ def resolve_plan(
     if experts is not None:
         check_layout(experts)
     if isinstance(plan, ResolvedPlan):
-        if plan.world_size != world_size:
-            raise ValueError(
-                f"the plan was resolved for world size {plan.world_size}, not {world_size}"
-            )
-        if experts is not None and plan.experts != experts:
-            raise ValueError(
-                f"the plan was resolved with experts={plan.experts!r}, not {experts!r}"
-            )
+        _check_resolved(plan, source, world_size, dtype, model, experts)
         return plan
     with _gc_paused():
         return _resolve_source(
             source, world_size, plan, dtype, model, checkpoint, kv_replication, experts or "tp"
         )[0]
+
+
+def _check_resolved(
+    plan: ResolvedPlan,
+    source: str | os.PathLike | nn.Module,
+    world_size: int,
+    dtype: str | torch.dtype | None,
+    model: str | None,
+    experts: str | None,
+) -> None:
+    """A plan already resolved is executed as it is: refuse arguments it contradicts, rather
+    than load other weights or another dtype than the ones asked for."""
+    asked = {
+        "world size": (world_size, plan.world_size),
+        "experts": (experts, plan.experts),
+        "model": (None if model == "auto" else model, plan.model),
+        "dtype": (
+            dtype and dtype_name(torch_dtype(dtype) if isinstance(dtype, str) else dtype),
+            plan.dtype,
+        ),
+    }
+    if not isinstance(source, nn.Module) and plan.source is not None:
+        asked["source"] = (str(Path(source).resolve()), plan.source)
+    for what, (given, resolved) in asked.items():
+        if given is not None and given != resolved:
+            raise ValueError(
+                f"the plan was resolved for {what} {resolved}, not {given}: resolve it again "
+                "(or pass the plan's own)"
+            )
 
 
 def resolve_and_keep(

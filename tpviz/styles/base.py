@@ -22,7 +22,13 @@ if TYPE_CHECKING:
 
 LINEAR = "linear"
 EMBEDDING = "embedding"
+EXPERTS = "experts"  # a module holding stacked expert tensors (experts, ...)
 ANY = "any"
+MODULE_NAMES = {
+    LINEAR: "nn.Linear",
+    EMBEDDING: "nn.Embedding",
+    EXPERTS: "an experts module (one holding stacked expert tensors of 3 or more dims)",
+}
 
 REPLICATE = "replicate"
 SHARD_FEATURES = "shard(-1)"  # an activation cut along its last (feature) dim
@@ -41,11 +47,13 @@ def is_bias(param_name: str) -> bool:
 
 
 def module_kind(module: nn.Module) -> str:
-    """The kind a style's `modules` names: LINEAR, EMBEDDING, or the class name."""
+    """The kind a style's `modules` names: LINEAR, EMBEDDING, EXPERTS, or the class name."""
     if isinstance(module, nn.Linear):
         return LINEAR
     if isinstance(module, nn.Embedding):
         return EMBEDDING
+    if any(p is not None and p.dim() >= 3 for p in module._parameters.values()):
+        return EXPERTS
     return type(module).__name__
 
 
@@ -142,8 +150,8 @@ class Style:
         return ANY in self.modules or module_kind(module) in self.modules
 
     def wanted_module(self) -> str:
-        """The module class the style needs, as an error message names it."""
-        return "nn.Linear" if LINEAR in self.modules else "nn.Embedding"
+        """The module kind the style needs, as an error message names it."""
+        return " or ".join(MODULE_NAMES.get(kind, kind) for kind in self.modules)
 
     def placement_dim(self, param_name: str, ndim: int, transposed: bool = False) -> int | None:
         """Sharded dim of parameter `param_name` with `ndim` dims under this style; None:

@@ -3,7 +3,7 @@ names of transformers' `base_model_ep_plan`)."""
 
 from __future__ import annotations
 
-from .base import PARTIAL, REPLICATE, ROUTED, Forward, Style
+from .base import EXPERTS, PARTIAL, REPLICATE, ROUTED, Forward, Style
 
 
 class GroupedGemm(Style):
@@ -25,6 +25,7 @@ class EpDispatchExperts(Style):
         "experts module under expert parallelism: the replicated router's choice is remapped "
         "to each rank's own experts (others masked), and the partial outputs all-reduced"
     )
+    modules = (EXPERTS,)
     places_params = False
     # every rank holds the same tokens and the same routing; a rank's output is the sum of its
     # own experts' weighted outputs, one term of the sum over all experts

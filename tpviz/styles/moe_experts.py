@@ -3,7 +3,7 @@ rank holding its slice of every expert (tensor parallelism, not expert paralleli
 
 from __future__ import annotations
 
-from .base import PARTIAL, REPLICATE, Forward, Style
+from .base import EXPERTS, PARTIAL, REPLICATE, Forward, Style
 
 
 class MoeTpExperts(Style):
@@ -13,6 +13,7 @@ class MoeTpExperts(Style):
         "keys, e.g. packed_colwise / rowwise) on a replicated input; a replicated output bias "
         "added by rank 0 alone; partial outputs all-reduced"
     )
+    modules = (EXPERTS,)
     places_params = False
     # transformers' experts kernel (a grouped matmul) needs equal slices on every rank
     needs_even_split = True
