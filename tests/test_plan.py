@@ -539,3 +539,17 @@ def test_an_experts_style_on_a_module_without_stacked_experts_is_an_error(tiny, 
     assert {e.code for e in plan.errors} == {"unsupported_style"}
     assert "applies to an experts module" in plan.errors[0].message
     assert "this module is Linear" in plan.errors[0].message
+
+
+def test_integer_values_for_a_floating_point_tensor_are_an_error(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    weights = {k: v for f in tiny.glob("*.safetensors") for k, v in load_file(f).items()}
+    weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.int32)
+    (tmp_path / "config.json").write_bytes((tiny / "config.json").read_bytes())
+    save_file(weights, tmp_path / "model.safetensors")
+    plan = resolve_plan(tmp_path, 2)
+    assert [(e.code, e.name) for e in plan.errors] == [("dtype_mismatch", "model.norm.weight")]
+    assert "tensor 'model.norm.weight' is int32, but model.norm.weight is float32" in (
+        plan.errors[0].message
+    )

@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, torch_dtype
 
 
 @dataclass(slots=True)
@@ -134,33 +134,46 @@ def match_checkpoint(
         if found.error:
             errors.add("unsupported_conversion", e.name, found.error)
             continue
-        infos = [ckpt.tensors[k] for k in found.keys]
         e.checkpoint_keys, e.sources, e.combine = found.keys, found.sources, found.combine
-        e.source_dtype = infos[0].dtype
-        dtypes = sorted({i.dtype for i in infos})
-        if len(dtypes) > 1:
-            errors.add(
-                "mixed_dtypes",
-                e.name,
-                f"{e.name}: its checkpoint tensors mix dtypes {', '.join(dtypes)}; save them in "
-                "one dtype",
-            )
-        if found.shape != e.global_shape:
-            if len(infos) == 1:
-                held = f"{infos[0].file} holds {found.shape} as {found.keys[0]}"
-            else:
-                held = f"its {len(infos)} checkpoint tensors make {found.shape} ({found.combine})"
-            errors.add(
-                "shape_mismatch",
-                e.name,
-                f"{e.name}: the model expects shape {e.global_shape}, {held}",
-            )
+        _check_found(e, found, [ckpt.tensors[k] for k in found.keys], errors)
     for name in sorted(set(ckpt.tensors) - used):
         errors.add(
             "unexpected_tensor",
             name,
             f"{name} is in the checkpoint ({ckpt.tensors[name].file}) but not in the model; "
             "check that config.json matches the weights",
+        )
+
+
+def _check_found(e, found: Assembly, infos: list, errors) -> None:
+    """The checkpoint tensors a model tensor is read from, against it: one dtype, of the same
+    kind (floating point or not), making its shape."""
+    e.source_dtype = infos[0].dtype
+    dtypes = sorted({i.dtype for i in infos})
+    if len(dtypes) > 1:
+        errors.add(
+            "mixed_dtypes",
+            e.name,
+            f"{e.name}: its checkpoint tensors mix dtypes {', '.join(dtypes)}; save them in "
+            "one dtype",
+        )
+    if infos[0].torch_dtype.is_floating_point != torch_dtype(e.dtype).is_floating_point:
+        errors.add(
+            "dtype_mismatch",
+            e.name,
+            f"{infos[0].file}: tensor {found.keys[0]!r} is {infos[0].dtype}, but {e.name} is "
+            f"{e.dtype} (floating point and integer values do not convert); check that the "
+            "checkpoint matches the model",
+        )
+    if found.shape != e.global_shape:
+        if len(infos) == 1:
+            held = f"{infos[0].file} holds {found.shape} as {found.keys[0]}"
+        else:
+            held = f"its {len(infos)} checkpoint tensors make {found.shape} ({found.combine})"
+        errors.add(
+            "shape_mismatch",
+            e.name,
+            f"{e.name}: the model expects shape {e.global_shape}, {held}",
         )
 
 
