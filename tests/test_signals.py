@@ -163,3 +163,21 @@ def test_only_provably_stale_temp_dirs_are_removed(tmp_path, monkeypatch):
     finally:
         live.close()
     assert sorted(os.listdir(tmp_path)) == sorted([unlocked.name, foreign_mp.name])
+
+
+def test_a_transformers_model_leaves_no_torch_cache_dir_in_tmpdir(tiny, tmp_path):
+    """transformers' model classes import torch._dynamo, which makes its cache dir in $TMPDIR
+    as it is imported: the CLI keeps it in a directory of its own, removed at exit."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tpviz", "plan", str(tiny), "--model", "hf"],
+        capture_output=True,
+        text=True,
+        timeout=BOUND * 2,
+        env={**env, "TMPDIR": str(tmpdir)},
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    assert not list(tmpdir.iterdir())

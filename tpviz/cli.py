@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -62,6 +63,7 @@ def _stop_signals_interrupt() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _keep_torch_cache_out_of_tmpdir()
     if args.command in ("load", "compare", "demo"):
         from .processes import rank_imports, start_server
 
@@ -80,6 +82,18 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"errors": _error_list(e)}))
         print(f"tpviz {args.command}: {_first_line(e)}", file=sys.stderr)
         return code
+
+
+def _keep_torch_cache_out_of_tmpdir() -> None:
+    """torch._dynamo (imported by transformers' model classes, and by a first forward) makes
+    its cache dir in $TMPDIR as it is imported, and nothing removes it: this process's goes into
+    multiprocessing's temp dir instead, which is removed at exit (the forkserver's goes there
+    too, processes.start_server)."""
+    from multiprocessing import util
+
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(util.get_temp_dir(), "torchinductor")
+    )
 
 
 def _first_line(e: Exception) -> str:
