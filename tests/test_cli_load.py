@@ -105,3 +105,14 @@ def test_an_abandoned_job_is_shut_down_when_collected(tiny):
     assert not any(
         psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids
     )
+
+
+def test_options_that_cannot_take_effect_are_refused_before_launch(tiny, cli):
+    done = cli("load", str(tiny), "--profile-forward")
+    assert done.returncode == 2
+    assert (
+        "profile_forward profiles into profile_dir" in done.stderr
+        and "--profile DIR" in done.stderr
+    )
+    with pytest.raises(ValueError, match="seed must be an integer, not 'x'"):
+        tpviz.launch(tiny, 2, init="random", seed="x")

@@ -39,6 +39,12 @@ class LoadOptions:
             )
         if self.init not in ("checkpoint", "random"):
             raise ValueError(f"init must be 'checkpoint' or 'random', not {self.init!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, not {self.seed!r}")
+        if self.profile_forward and not self.profile_dir:
+            raise ValueError(
+                "profile_forward profiles into profile_dir: give that too (CLI: --profile DIR)"
+            )
         if self.init == "checkpoint" and not plan.has_weights:
             # say what was there and why it is not read, not only that nothing was
             found = [w.message for w in plan.warnings if w.code == "unused_weights"]
