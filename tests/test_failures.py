@@ -403,3 +403,18 @@ def test_a_failed_verify_says_why_in_one_line_without_a_traceback(tiny, tmp_path
     assert result["plan_matches_shards"] and result["verify"]["ok"] is False
     assert [e["code"] for e in result["errors"]] == ["VerifyFailed"]
     assert "\n" not in result["verify"]["error"]
+
+
+def exits(model, code):
+    sys.exit(code)
+
+
+@pytest.mark.slow
+def test_a_rank_that_exits_is_named_with_its_exit(tiny):
+    with tpviz.launch(tiny, 2) as job:
+        job.wait(PROMPT)
+        with pytest.raises(
+            tpviz.LoadError, match=r"rank [01] failed: the rank called sys.exit\(3\)"
+        ):
+            job.call(exits, 3)
+        assert job.state == "failed"

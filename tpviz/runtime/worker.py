@@ -75,7 +75,7 @@ def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
                 Error(
                     rank,
                     time.time(),
-                    message=str(e) or type(e).__name__,
+                    message=_error_text(e),
                     module=module,
                     file=file,
                     traceback=traceback.format_exc(),
@@ -90,6 +90,14 @@ def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
         dist.destroy_process_group()
     except Exception:  # a peer ended first (the launcher was closing anyway): leave quietly
         os._exit(1)
+
+
+def _error_text(error: BaseException) -> str:
+    """What a rank's failure says: the error's first line (`SystemExit` names the exit)."""
+    if isinstance(error, SystemExit):
+        return f"the rank called sys.exit({error.code!r})"
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def release_memory(device: torch.device) -> None:
@@ -135,8 +143,10 @@ def _run_command(loaded: ShardedModel, command: Command) -> Reply:
 
 def _failed(loaded: ShardedModel, command: Command, error: Exception, why: str = "") -> Reply:
     """A command's failure: one line for the caller, the traceback beside it."""
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    text = f"rank {loaded.rank}: {command.name} failed: {why}{type(error).__name__}: {first}"
+    said = _error_text(error)
+    kind = type(error).__name__
+    text = f"rank {loaded.rank}: {command.name} failed: {why}{kind}"
+    text += f": {said}" if said != kind else ""
     return Reply(command.command_id, False, text, traceback.format_exc())
 
 
