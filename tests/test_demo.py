@@ -116,3 +116,13 @@ def test_transformers_loads_it_and_gives_the_same_logits(which, request):
     assert (ours - expected).abs().max().item() <= 1e-5
     assert dtype_name(next(hf.parameters()).dtype) == "float32"
     assert math.isfinite(ours.abs().max().item())
+
+
+def test_a_checkpoint_too_large_for_memory_or_disk_is_refused_before_anything_is_made(
+    tmp_path, cli
+):
+    out = tmp_path / "nested" / "big"
+    done = cli("make-checkpoint", str(out), "--hidden", "1000000")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "the checkpoint would take" in done.stderr and "choose smaller dimensions" in done.stderr
+    assert not (tmp_path / "nested").exists()

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from safetensors.torch import save_file
 
 from ..checkpoint import INDEX_NAME, SINGLE_NAME, torch_dtype
+from ..format import human_bytes
 from . import BuiltinLlama, build_skeleton
 from .limits import config_problem
 
@@ -94,8 +97,9 @@ def make_checkpoint(
     out = Path(directory)
     if any(out.glob("*.safetensors")):
         raise FileExistsError(f"{out} already holds a checkpoint; choose an empty directory")
-    out.mkdir(parents=True, exist_ok=True)
     skeleton = build_skeleton(BuiltinLlama(), config)
+    _check_room(out, sum(p.numel() for p in skeleton.parameters()) * torch_dtype(dtype).itemsize)
+    out.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
     target = torch_dtype(dtype)
     tensors: dict[str, torch.Tensor] = {}
@@ -108,6 +112,19 @@ def make_checkpoint(
     _save_sharded(tensors, out, max_shard_size)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _check_room(out: Path, nbytes: int) -> None:
+    """Refuse, before writing anything, a checkpoint that memory (its tensors are made whole
+    first) or the disk cannot hold."""
+    held = next(p for p in [out, *out.parents] if p.exists())
+    room = {"memory": psutil.virtual_memory().available, "disk": shutil.disk_usage(held).free}
+    for what, free in room.items():
+        if nbytes > free:
+            raise ValueError(
+                f"the checkpoint would take {human_bytes(nbytes)}, more than "
+                f"the {human_bytes(free)} of {what} available; choose smaller dimensions"
+            )
 
 
 def _save_sharded(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: int) -> None:
