@@ -126,3 +126,15 @@ def test_a_checkpoint_too_large_for_memory_or_disk_is_refused_before_anything_is
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "the checkpoint would take" in done.stderr and "choose smaller dimensions" in done.stderr
     assert not (tmp_path / "nested").exists()
+
+
+def test_a_demo_cache_that_is_a_file_or_has_lost_its_weights_is_named(tmp_path, tiny, cli):
+    (tmp_path / "file").touch()
+    done = cli("demo", "--preset", "tiny", env={"TPVIZ_CACHE": str(tmp_path / "file")})
+    assert done.returncode == 2 and "is not a directory; set TPVIZ_CACHE" in done.stderr
+    (tmp_path / "cache" / "demo-tiny").mkdir(parents=True)
+    (tmp_path / "cache" / "demo-tiny" / "config.json").write_bytes(
+        (tiny / "config.json").read_bytes()
+    )
+    done = cli("demo", "--preset", "tiny", env={"TPVIZ_CACHE": str(tmp_path / "cache")})
+    assert done.returncode == 2 and "has lost its weights; remove it" in done.stderr

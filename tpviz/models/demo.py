@@ -176,7 +176,11 @@ def demo_checkpoint(preset: str = "small", cache: str | os.PathLike | None = Non
     """The `preset` demo checkpoint in the cache dir, made on first use (`tpviz demo`, the
     notebooks, the Dashboard and the benchmarks share it)."""
     root = Path(cache) if cache is not None else cache_dir()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"the demo cache {root} is not a directory; set TPVIZ_CACHE to one")
     target = root / f"demo-{preset}"
+    if (target / "config.json").exists() and not any(target.glob("*.safetensors")):
+        raise ValueError(f"{target} has lost its weights; remove it, and it is made again")
     if not (target / "config.json").exists():
         tmp = root / f".demo-{preset}-{os.getpid()}"
         make_checkpoint(tmp, preset)
