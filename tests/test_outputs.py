@@ -96,6 +96,15 @@ def test_an_unwritable_parent_is_refused(tmp_path, tiny, capsys):
     assert capsys.readouterr().err.count("not writable") == 2
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_directory_no_file_can_be_made_in_is_refused_even_for_root(tiny, capsys):
+    """Permission bits do not tell (root passes them everywhere, /proc included): tpviz makes
+    and removes a file to find out, before launch."""
+    assert main(["load", str(tiny), "--report", "/proc/r.html"]) == 2
+    assert main(["load", str(tiny), "--events", "/proc/events"]) == 2
+    assert capsys.readouterr().err.count("/proc is not writable") == 2
+
+
 def _limit_file_size(limit: int):
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))

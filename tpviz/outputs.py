@@ -10,6 +10,7 @@ load result rather than instead of it.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,20 @@ def _refuse_uncreatable(out: Path, what: str) -> None:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise OutputPathError(f"{what} {out} cannot be created: {ancestor} is a file")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
+    if not _writable(ancestor):
         raise OutputPathError(f"{what} {out} cannot be created: {ancestor} is not writable")
+
+
+def _writable(directory: Path) -> bool:
+    """Whether a file can be made in `directory`, found by making (and removing) one:
+    permission bits do not tell for root, read-only mounts or /proc."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tpviz-probe-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
 
 
 def check_output_dir(path: str | os.PathLike, what: str, source: str | os.PathLike) -> str:
@@ -70,7 +83,7 @@ def check_output_dir(path: str | os.PathLike, what: str, source: str | os.PathLi
         _refuse_uncreatable(out, what)
     elif not out.is_dir():
         raise OutputPathError(f"{what} {out} is a file, not a directory; give a directory")
-    elif not os.access(out, os.W_OK | os.X_OK):
+    elif not _writable(out):
         raise OutputPathError(f"{what} {out} is not writable")
     return str(out)
 
@@ -88,7 +101,7 @@ def check_output_file(path: str | os.PathLike, what: str, source: str | os.PathL
     if not parent.is_dir():
         raise OutputPathError(f"{what} {out}: the directory {parent} does not exist")
     # the file is written beside itself and renamed over: the directory must be writable
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not _writable(parent):
         raise OutputPathError(f"{what} {out}: the directory {parent} is not writable")
     return str(out)
 
