@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import struct
+import sys
 from pathlib import Path
 
 import psutil
@@ -435,3 +436,153 @@ def test_an_index_may_name_files_in_a_subdirectory(ck):
     (ck / "sub").mkdir()
     (ck / "model-00001-of-00001.safetensors").rename(ck / "sub" / "model.safetensors")
     assert set(Checkpoint.open(ck).tensors) == set(names)
+
+
+# --- durations, token ids, config flags -----------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["--timeout", "--heartbeat-timeout"])
+@pytest.mark.parametrize("seconds", ["2592001", "1e13", "1e15"])
+def test_durations_past_30_days_are_refused_before_any_rank(ck, capsys, option, seconds):
+    # gloo overflowed (a hang, "Invalid timeout", no C int) on the ranks past about 9e9 s
+    err = refused(capsys, "load", ck, "--world-size", "1", option, seconds)
+    name = option.lstrip("-").replace("-", "_")
+    assert f"{name} must be a positive, finite number of seconds, at most 2592000 (30 days)" in err
+    from tpviz.launcher import MAX_SECONDS, _check_seconds
+
+    _check_seconds(name, MAX_SECONDS)  # the bound itself is accepted
+
+
+INTEGER_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32, torch.uint32,
+                  torch.int64, torch.uint64]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES)
+def test_token_ids_are_checked_exactly_in_every_integer_dtype(dtype):
+    from tpviz.token_ids import check_token_ids
+
+    ids = check_token_ids(torch.tensor([0, 5, 100], dtype=dtype), 1000)  # 1000 as int8 is -24
+    assert ids.dtype == torch.long and ids.tolist() == [[0, 5, 100]]
+    with pytest.raises(ValueError, match=r"token id 100 at input_ids\[0, 2\] is outside"):
+        check_token_ids(torch.tensor([0, 5, 100], dtype=dtype), 100)
+
+
+def test_a_uint64_token_id_past_int64_is_refused_with_its_value():
+    from tpviz.token_ids import check_token_ids
+
+    ids = torch.tensor([3, -1]).view(torch.uint64)  # 2**64 - 1 wraps to -1 in int64
+    with pytest.raises(ValueError, match=rf"token id {2**64 - 1} at input_ids\[0, 1\]"):
+        check_token_ids(ids, 1000)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("attention_bias", "false"), ("tie_word_embeddings", "yes"), ("mlp_bias", 0)],
+)
+def test_builtin_llama_flags_must_be_json_booleans(ck, capsys, key, value):
+    _config(ck, **{key: value})  # bool("false") was True: a bias the checkpoint lacks
+    err = refused(capsys, "plan", ck, "--model", "builtin")
+    assert f"config.json: {key} must be true or false, not {json.dumps(value)}" in err
+
+
+# --- transformers configs, factories, shipped model code ------------------------------------
+
+
+def refused_after_transformers_warnings(capsys, *args) -> str:
+    """As `refused`, where transformers may log a warning of its own first (an unknown rope
+    type): tpviz's reason is the last line, and the only other lines are transformers'."""
+    code = main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    *before, last = err.strip().splitlines()
+    assert "Traceback" not in err and all(line.startswith("[transformers]") for line in before)
+    return last
+
+
+@pytest.mark.parametrize("model", ["auto", "hf"])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"rope_scaling": {"type": "nonsense", "factor": 2}},
+         "config.json: transformers refused it: KeyError: 'nonsense'"),
+        ({"rope_scaling": {"rope_type": "yarn"}},
+         "config.json: transformers refused it: KeyError: \"Missing required keys in "
+         "`rope_parameters` for 'rope_type'='yarn': {'factor'}\""),
+        ({"model_type": ["llama"]},
+         'config.json: model_type must be a string naming a model type (such as "llama"), '
+         'not ["llama"]'),
+        ({"model_type": "llamma"},
+         "does not know model_type 'llamma' (close: llama, mllama, llama4); fix it"),
+    ],
+    ids=["unknown-rope-type", "yarn-without-factor", "list-model-type", "unknown-model-type"],
+)  # fmt: skip
+def test_transformers_config_errors_say_what_it_refused(ck, capsys, model, changes, words):
+    # rope types tpviz's Llama lacks, and unknown model types, go to transformers under auto
+    pytest.importorskip("transformers")
+    _config(ck, **changes)
+    line = refused_after_transformers_warnings(capsys, "plan", ck, "--model", model)
+    assert words in line and len(line) < 400, line
+
+
+def test_a_config_transformers_refuses_by_type_is_one_line(ck, capsys):
+    pytest.importorskip("transformers")
+    _config(ck, attention_bias="false")
+    err = refused(capsys, "plan", ck, "--model", "hf")
+    assert "transformers refused it: StrictDataclassFieldValidationError:" in err
+    assert "expected bool, got str (value: 'false')" in err
+
+
+FACTORIES = """
+def returns_none(config):
+    return None
+
+
+def raises(config):
+    raise ValueError("boom")
+
+
+number = 3
+"""
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    """Modules `tpviz_test_factories` (factories that fail each in its way) and
+    `tpviz_test_broken` (raises on import), importable for this test only."""
+    (tmp_path / "tpviz_test_factories.py").write_text(FACTORIES)
+    (tmp_path / "tpviz_test_broken.py").write_text('raise RuntimeError("no import")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "tpviz_test_factories"
+    for name in ("tpviz_test_factories", "tpviz_test_broken"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("{m}:returns_none", "--model {m}:returns_none: returns_none returned None, not an "
+         "nn.Module"),
+        ("{m}:number", "--model {m}:number: number is not callable (type int)"),
+        ("{m}:raises", "--model {m}:raises: the factory raised ValueError: boom"),
+        ("{m}:missing", "--model {m}:missing: {m} has no missing"),
+        ("{m}:", "--model {m}:: give the factory's name after ':'"),
+        (":x", "--model :x: give an absolute module path (pkg.mod) before ':'"),
+        (".rel:x", "--model .rel:x: give an absolute module path (pkg.mod) before ':'"),
+        ("tpviz_test_broken:f",
+         "--model tpviz_test_broken:f: cannot import tpviz_test_broken (RuntimeError: no import)"),
+    ],
+    ids=["returns-none", "not-callable", "raises", "missing", "no-name", "no-module", "relative",
+         "import-raises"],
+)  # fmt: skip
+def test_model_factory_errors_name_the_factory(ck, capsys, factories, spec, words):
+    err = refused(capsys, "plan", ck, "--model", spec.format(m=factories))
+    assert words.format(m=factories) in err
+
+
+def test_shipped_model_code_is_refused_whatever_auto_would_pick(ck, capsys):
+    # model_type llama: auto picks tpviz's own Llama, which used to plan it silently
+    _config(ck, auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+    err = refused(capsys, "plan", ck)
+    assert "config.json names its own model code (auto_map)" in err
+    assert "--model hf-remote-code" in err and "--model hf" in err
+    assert main(["plan", str(ck), "--model", "builtin"]) == 0  # code the user names runs

@@ -62,14 +62,25 @@ def check_memory(plan: ResolvedPlan, strategy: str, device: str, init: str) -> N
             )
 
 
+# The longest duration accepted (30 days), far above any real load, for every duration
+# argument alike. The load timeout becomes the ranks' collective timeout, which gloo adds in
+# nanoseconds to a clock: from about 9.2e9 s (2**63 ns) that overflows into a hang or an
+# instant time-out, and from 1e13 s gloo refuses it or Python cannot pass it at all.
+MAX_SECONDS = 30 * 24 * 3600
+
+
 def _check_seconds(name: str, value: float | None) -> None:
-    """A duration argument: None, or a positive finite number (not a bool; NaN fails too)."""
+    """A duration argument: None, or a number of seconds in (0, MAX_SECONDS] (not a bool; NaN
+    and infinity fail too)."""
     if value is not None and (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or not 0 < value < float("inf")
+        or not 0 < value <= MAX_SECONDS
     ):
-        raise ValueError(f"{name} must be a positive, finite number of seconds, not {value!r}")
+        raise ValueError(
+            f"{name} must be a positive, finite number of seconds, at most {MAX_SECONDS} "
+            f"(30 days), not {value!r}"
+        )
 
 
 def _end_rank_running_an_unguarded_script() -> None:

@@ -30,11 +30,15 @@ def check_token_ids(input_ids: Any, vocab_size: int) -> torch.Tensor:
         raise ValueError(
             f"input_ids must be (batch, seq) or (seq,), not {ids.dim()}-D {tuple(ids.shape)}"
         )
-    bad = (ids < 0) | (ids >= vocab_size)
+    # Compared in int64: in a narrow dtype the vocabulary size itself wraps (1000 as int8 is
+    # -24), and torch has no comparisons for uint16..uint64. Every id a vocabulary can hold
+    # fits int64; a uint64 id past it wraps negative, so it is refused as it should be.
+    wide = ids.to(torch.long)
+    bad = (wide < 0) | (wide >= vocab_size)
     if bad.any():
         index = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(
-            f"token id {int(ids[index])} at input_ids{list(index)} is outside the vocabulary "
+            f"token id {ids[index].tolist()} at input_ids{list(index)} is outside the vocabulary "
             f"(ids 0..{vocab_size - 1}, vocabulary size {vocab_size})"
         )
-    return ids.to(torch.long)
+    return wide

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..choices import model_family
 from .adapter import HeadCounts, ModelAdapter
-from .config import ConfigError, LlamaDims, read_config
+from .config import ConfigError, LlamaDims, error_text, read_config
 
 __all__ = ["HeadCounts", "ModelAdapter", "ConfigError", "get_adapter", "read_config"]
 
@@ -48,24 +48,61 @@ class BuiltinLlama(ModelAdapter):
 
 
 class FactoryAdapter(ModelAdapter):
-    """A user factory `pkg.mod:fn`; its model's `tp_plan` attribute, if any, is the default."""
+    """A user factory `pkg.mod:fn`; its model's `tp_plan` attribute, if any, is the default.
+    Whatever goes wrong with it is a ConfigError naming the spec: its code is the user's."""
 
     def __init__(self, spec: str):
         self.name = spec
         module_name, _, attr = spec.partition(":")
+        if not all(part.isidentifier() for part in module_name.split(".")):
+            raise ConfigError(f"--model {spec}: give an absolute module path (pkg.mod) before ':'")
+        if not attr.isidentifier():
+            raise ConfigError(f"--model {spec}: give the factory's name after ':'")
+        self.attr = attr
         try:
-            self.factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"--model {spec}: cannot import the factory ({e})") from None
+            module = importlib.import_module(module_name)
+        except Exception as e:  # noqa: BLE001 - importing the user's module runs its code
+            raise ConfigError(
+                f"--model {spec}: cannot import {module_name} ({error_text(e)})"
+            ) from None
+        if not hasattr(module, attr):
+            raise ConfigError(f"--model {spec}: {module_name} has no {attr}")
+        self.factory = getattr(module, attr)
+        if not callable(self.factory):
+            raise ConfigError(
+                f"--model {spec}: {attr} is not callable (type {type(self.factory).__name__})"
+            )
 
     def build(self, config: dict[str, Any]) -> nn.Module:
-        return self.factory(config)
+        try:
+            model = self.factory(config)
+        except Exception as e:  # noqa: BLE001 - the user's code, refusing the config or failing
+            raise ConfigError(f"--model {self.name}: the factory raised {error_text(e)}") from None
+        if not isinstance(model, nn.Module):
+            got = "None" if model is None else f"a {type(model).__name__}"
+            raise ConfigError(f"--model {self.name}: {self.attr} returned {got}, not an nn.Module")
+        return model
+
+
+def _refuse_shipped_code(config: dict[str, Any], model: str | None) -> None:
+    """A config naming its own model code (`auto_map`) is refused under `auto`, before
+    anything is imported, whichever adapter `auto` would pick: even where tpviz's Llama or
+    transformers' own class could build it, the shipped code is what the checkpoint means.
+    A model the user names runs: that code (hf-remote-code), or other code they choose."""
+    if config.get("auto_map") and (model or "auto") == "auto":
+        raise ConfigError(
+            "config.json names its own model code (auto_map); tpviz runs it only when asked: "
+            "--model hf-remote-code (model='hf-remote-code'), or name other code to build the "
+            "model with: --model hf (transformers' class for its model_type), builtin or "
+            "PKG.MOD:FN"
+        )
 
 
 def get_adapter(
     config: dict[str, Any], model: str | None = "auto", source: str | os.PathLike | None = None
 ) -> ModelAdapter:
     """The adapter `model` names for this config (`source`: the checkpoint directory)."""
+    _refuse_shipped_code(config, model)
     choice = model_family(config, model)
     if choice == "builtin":
         return BuiltinLlama()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from dataclasses import dataclass
@@ -15,6 +16,16 @@ from .limits import config_problem
 
 class ConfigError(InputFileError):
     pass
+
+
+def error_text(error: BaseException, limit: int = 300) -> str:
+    """An exception raised by code tpviz runs for the user (transformers, a model factory) as
+    one short line: its type (a bare KeyError says little alone), then its message with line
+    breaks folded (some put the reason on a second line), cut at `limit` characters."""
+    text = " ".join(str(error).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def read_config(source: str | Path) -> dict[str, Any]:
@@ -58,6 +69,18 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return float(theta), scaling
 
 
+def config_flag(config: dict[str, Any], key: str) -> bool:
+    """A true/false field of config.json (false when absent or null, as transformers reads
+    it). Only a JSON boolean counts: `bool("false")` is True, and would build a model the
+    checkpoint does not hold."""
+    value = config.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"config.json: {key} must be true or false, not {json.dumps(value)}")
+    return value
+
+
 @dataclass(frozen=True)
 class LlamaDims:
     vocab_size: int
@@ -77,6 +100,10 @@ class LlamaDims:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> LlamaDims:
+        flags = {
+            key: config_flag(config, key)
+            for key in ("tie_word_embeddings", "attention_bias", "mlp_bias")
+        }
         try:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
@@ -92,10 +119,8 @@ class LlamaDims:
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                attention_bias=bool(config.get("attention_bias", False)),
-                mlp_bias=bool(config.get("mlp_bias", False)),
                 max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+                **flags,
             )
         except KeyError as e:
             raise ConfigError(

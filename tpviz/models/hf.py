@@ -6,8 +6,11 @@ checkpoint (`auto_map` in config.json) runs only with `--model hf-remote-code`.
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,7 @@ from torch import nn
 
 from ..keymap import KeyMap
 from .adapter import HeadCounts, ModelAdapter
-from .config import ConfigError
+from .config import ConfigError, error_text
 from .hf_keys import checkpoint_map
 
 
@@ -32,6 +35,17 @@ def _transformers(config: dict[str, Any]):
     return transformers
 
 
+@contextlib.contextmanager
+def _judged_by_transformers() -> Iterator[None]:
+    """Run transformers on config.json's content. Its config and model classes check a value by
+    using it, so what they raise here (KeyError, TypeError, ValueError, huggingface_hub's
+    StrictDataclassError, ...) is that content refused: said as a one-line ConfigError."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - anything transformers raises on the config's values
+        raise ConfigError(f"config.json: transformers refused it: {error_text(e)}") from None
+
+
 class HFAdapter(ModelAdapter):
     def __init__(
         self,
@@ -43,11 +57,6 @@ class HFAdapter(ModelAdapter):
         self.name = "hf-remote-code" if trust_remote_code else "hf"
         self.source = source
         self.trust_remote_code = trust_remote_code
-        if config.get("auto_map") and not trust_remote_code:
-            raise ConfigError(
-                "config.json names custom model code (auto_map); tpviz runs it only when asked: "
-                "--model hf-remote-code (model='hf-remote-code')"
-            )
         self.hf_config = self._config(config)
 
     def _config(self, config: dict[str, Any]):
@@ -55,28 +64,39 @@ class HFAdapter(ModelAdapter):
         if self.trust_remote_code:
             if self.source is None:
                 raise ConfigError("custom model code needs the checkpoint directory")
-            return auto.from_pretrained(self.source, trust_remote_code=True)
-        model_type = config.get("model_type")
-        if not model_type:
-            raise ConfigError("config.json has no model_type; transformers cannot build it")
-        try:
+            with _judged_by_transformers():
+                return auto.from_pretrained(self.source, trust_remote_code=True)
+        model_type = self._model_type(config)
+        with _judged_by_transformers():
             return auto.for_model(
                 model_type, **{k: v for k, v in config.items() if k != "model_type"}
             )
-        except (KeyError, ValueError) as e:
+
+    def _model_type(self, config: dict[str, Any]) -> str:
+        """config.json's `model_type`, one transformers has a config class for."""
+        model_type = config.get("model_type")
+        if not model_type:
+            raise ConfigError("config.json has no model_type; transformers cannot build it")
+        if not isinstance(model_type, str):
             raise ConfigError(
-                f"transformers does not know model_type {model_type!r} ({e})"
-            ) from None
+                f"config.json: model_type must be a string naming a model type (such as "
+                f'"llama"), not {json.dumps(model_type)}'
+            )
+        known = self.transformers.CONFIG_MAPPING
+        if model_type not in known:
+            # transformers' own error lists all of its ~800 types: name the closest instead
+            close = difflib.get_close_matches(model_type, list(known.keys()), n=3)
+            hint = f" (close: {', '.join(close)})" if close else ""
+            raise ConfigError(
+                f"config.json: transformers {self.transformers.__version__} does not know "
+                f"model_type {model_type!r}{hint}; fix it, or use a transformers that knows it"
+            )
+        return model_type
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         auto = self.transformers.AutoModelForCausalLM
-        try:
-            model = auto.from_config(self.hf_config, trust_remote_code=self.trust_remote_code)
-        except ValueError as e:
-            raise ConfigError(
-                f"transformers cannot build a causal LM from this config ({e})"
-            ) from None
-        return model
+        with _judged_by_transformers():
+            return auto.from_config(self.hf_config, trust_remote_code=self.trust_remote_code)
 
     def kept_in_float32(self, model: nn.Module, dtype: torch.dtype) -> re.Pattern | None:
         """What transformers keeps float32 at load: the model's `_keep_in_fp32_modules` (under
