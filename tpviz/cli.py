@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .cli_parser import STRATEGIES, build_parser
+from .format import first_line
 
 if TYPE_CHECKING:
     from .results import LoadResult
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         code = INVALID_INPUT if _is_invalid_input(e) else FAILURE
         if getattr(args, "json", False):
             print(json.dumps({"errors": _error_list(e)}))
-        print(f"tpviz {args.command}: {_first_line(e)}", file=sys.stderr)
+        print(f"tpviz {args.command}: {first_line(e)}", file=sys.stderr)
         return code
 
 
@@ -94,10 +95,6 @@ def _keep_torch_cache_out_of_tmpdir() -> None:
     os.environ.setdefault(
         "TORCHINDUCTOR_CACHE_DIR", os.path.join(util.get_temp_dir(), "torchinductor")
     )
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _error_list(e: Exception) -> list[dict[str, str]]:
@@ -185,7 +182,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not plan.errors:
         return 0
     # stdout keeps every error (table or JSON); stderr gets the contract's one line
-    print(f"tpviz plan: {_first_line(PlanError(plan.errors))}", file=sys.stderr)
+    print(f"tpviz plan: {first_line(PlanError(plan.errors))}", file=sys.stderr)
     return INVALID_INPUT
 
 

@@ -1,5 +1,6 @@
-"""The one place text is shaped: bytes, shapes, counts, verdicts and layer folding, shared
-by plan warnings, the CLI's tables, the HTML report and the widgets (pure, no imports)."""
+"""The one place text is shaped: bytes, shapes, counts, verdicts, layer folding and errors as
+one line, shared by plan warnings, the CLI's tables, the HTML report, the widgets and the
+ranks' failures (pure, no imports)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ from collections.abc import Sequence
 # An index segment between two others: `model.layers.3.mlp` -> `model.layers.*.mlp`. The
 # lookahead lets consecutive indices (`blocks.0.1.conv`) fold too.
 _INDEX = re.compile(r"\.\d+(?=\.)")
+
+
+def first_line(error: BaseException) -> str:
+    """An error's message as one line: its first (its type's name when it says nothing)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def human_bytes(n: float | None) -> str:

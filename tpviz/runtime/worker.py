@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..events import Error, Phase, RankPhase
+from ..format import first_line
 from ..messages import Command, CommandName, Reply
 from .channel import Channel
 from .executor import LoadFailure
@@ -96,8 +97,7 @@ def _error_text(error: BaseException) -> str:
     """What a rank's failure says: the error's first line (`SystemExit` names the exit)."""
     if isinstance(error, SystemExit):
         return f"the rank called sys.exit({error.code!r})"
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    return first_line(error)
 
 
 def release_memory(device: torch.device) -> None:

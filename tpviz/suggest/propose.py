@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..format import first_line
 from ..models import build_skeleton, get_adapter, prompt_ids, read_config
 from ..plan import ResolvedPlan, resolve_plan
 from ..plan.experts import EXPERT_STYLES
@@ -163,8 +164,7 @@ class _Proof:
         try:
             outs = run_ranks(self.instance, plan, self.run)
         except Exception as e:  # noqa: BLE001 - the module code failing on a rank's tensors
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            return f"a rank's forward fails ({type(e).__name__}: {first})", float("nan")
+            return f"a rank's forward fails ({type(e).__name__}: {first_line(e)})", float("nan")
         diff = max((o - self.reference).abs().max().item() for o in outs)
         if not diff <= self.tolerance:
             return f"the ranks' logits differ from the whole model's by {diff:.3g}", diff
