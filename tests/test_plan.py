@@ -553,3 +553,30 @@ def test_integer_values_for_a_floating_point_tensor_are_an_error(tiny, tmp_path)
     assert "tensor 'model.norm.weight' is int32, but model.norm.weight is float32" in (
         plan.errors[0].message
     )
+
+
+def test_the_builtin_llama_reads_checkpoints_as_transformers_llama_does(tiny, tmp_path):
+    """Older checkpoints hold each layer's rotary `inv_freq` (dropped, as transformers drops
+    them); a checkpoint saved from the base model has no `model.` prefix (added back). A key
+    neither explains is still an error."""
+    from safetensors.torch import load_file, save_file
+
+    weights = {k: v for f in tiny.glob("*.safetensors") for k, v in load_file(f).items()}
+    config = (tiny / "config.json").read_bytes()
+    old = {**weights, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    base = {k.removeprefix("model."): v for k, v in weights.items()}
+    stray = {**weights, "model.layers.0.self_attn.extra.weight": torch.ones(8)}
+    for name, tensors in [("old", old), ("base", base), ("stray", stray)]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_bytes(config)
+        save_file(tensors, tmp_path / name / "model.safetensors")
+    assert not resolve_plan(tmp_path / "old", 2).errors
+    plan = resolve_plan(tmp_path / "base", 2)
+    assert not plan.errors
+    q = plan.tensor("model.layers.1.self_attn.q_proj.weight")
+    assert q.checkpoint_keys == ["layers.1.self_attn.q_proj.weight"]
+    assert plan.tensor("lm_head.weight").checkpoint_keys == ["lm_head.weight"]
+    errors = resolve_plan(tmp_path / "stray", 2).errors
+    assert [(e.code, e.name) for e in errors] == [
+        ("unexpected_tensor", "model.layers.0.self_attn.extra.weight")
+    ]

@@ -11,8 +11,10 @@ the box can be read as a block of the source seen with the box's shape.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from torch import nn
 
 from .checkpoint import Checkpoint, torch_dtype
 
@@ -98,6 +100,27 @@ class KeyMap:
 
     assemblies: dict[str, Assembly] = field(default_factory=dict)
     ignored: set[str] = field(default_factory=set)
+
+
+def prefixed_key_map(
+    model: nn.Module,
+    shapes: Mapping[str, Sequence[int]],
+    prefix: str,
+    ignored_suffixes: Sequence[str] = (),
+) -> KeyMap:
+    """Checkpoint keys read as transformers reads them for a model whose base model sits under
+    `prefix`: a key the model names is its own tensor; a key missing the prefix (a checkpoint
+    saved from the base model alone) is the prefixed tensor; keys ending in `ignored_suffixes`
+    (caches older checkpoints hold, such as per-layer rotary `inv_freq`) are dropped."""
+    names = set(model.state_dict())
+    out = KeyMap()
+    for key, shape in shapes.items():
+        name = key if key in names else f"{prefix}.{key}"
+        if name in names:
+            out.assemblies.setdefault(name, Assembly([key], list(shape)))
+        elif key.endswith(tuple(ignored_suffixes)):
+            out.ignored.add(key)
+    return out
 
 
 def match_checkpoint(

@@ -12,13 +12,14 @@ import functools
 import importlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..choices import model_family
+from ..keymap import KeyMap, prefixed_key_map
 from .adapter import HeadCounts, ModelAdapter
 from .config import ConfigError, LlamaDims, error_text, read_config
 
@@ -45,6 +46,11 @@ class BuiltinLlama(ModelAdapter):
         from .llama import DEFAULT_PLAN
 
         return dict(DEFAULT_PLAN)
+
+    def checkpoint_map(self, model: nn.Module, shapes: Mapping[str, Sequence[int]]) -> KeyMap:
+        """As transformers' LlamaForCausalLM reads a checkpoint: a base-model checkpoint's
+        keys lack `model.`, and older ones hold each layer's rotary `inv_freq` (computed here)."""
+        return prefixed_key_map(model, shapes, "model", ignored_suffixes=[".rotary_emb.inv_freq"])
 
 
 class FactoryAdapter(ModelAdapter):
