@@ -138,3 +138,10 @@ def test_a_demo_cache_that_is_a_file_or_has_lost_its_weights_is_named(tmp_path, 
     )
     done = cli("demo", "--preset", "tiny", env={"TPVIZ_CACHE": str(tmp_path / "cache")})
     assert done.returncode == 2 and "has lost its weights; remove it" in done.stderr
+
+
+def test_a_world_size_below_one_is_refused_before_the_demo_checkpoint_is_made(tmp_path, cli):
+    for value in ("0", "-2", "two"):
+        done = cli("demo", "--world-size", value, env={"TPVIZ_CACHE": str(tmp_path / "cache")})
+        assert done.returncode == 2 and f"must be a positive integer, not '{value}'" in done.stderr
+    assert not (tmp_path / "cache").exists()

@@ -11,8 +11,15 @@ SOURCE_HELP = "checkpoint dir (Hugging Face layout), or a dir holding only confi
 JSON_HELP = "print the result as JSON on stdout (also on failure, then with errors)"
 
 
+def _world_size(text: str) -> int:
+    """--world-size: checked as it is parsed, before demo makes a checkpoint or ranks start."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    return int(text)
+
+
 def _shared(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--world-size", type=_world_size, default=2, help="number of ranks (default 2)")
     p.add_argument("--plan", help="plan file: {pattern: style} or transformers' tp_plan form")
     p.add_argument(
         "--dtype",
@@ -124,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="small",
         help="demo checkpoint size, made once in a cache dir (default small)",
     )
-    p.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--world-size", type=_world_size, default=2, help="number of ranks (default 2)")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     return parser
 
