@@ -170,6 +170,41 @@ def test_a_bf16_moe_routes_as_transformers_does(bf16_with_float32_router, expert
     assert (logits.float() - expected.float()).abs().max().item() <= 1e-2
 
 
+@pytest.fixture(scope="module")
+def falcon_h1(tmp_path_factory):
+    """Falcon-H1 (attention beside Mamba-2 mixers) as save_pretrained writes it: its config
+    holds an infinity, saved tagged ({"__float__": "Infinity"}), and each mixer's computed
+    `mup_vector` is set by the base model's init, not the mixer's."""
+    config = transformers.AutoConfig.for_model(
+        "falcon_h1",
+        **dict(TINY_DIMS, hidden_size=64, num_attention_heads=4, head_dim=16),
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=1,
+        mamba_d_ssm=128,
+    )
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("falcon-h1")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root)
+    assert "__float__" in (root / "config.json").read_text()
+    return root
+
+
+@pytest.mark.slow
+def test_buffers_an_ancestor_initialises_and_tagged_floats_load_as_in_transformers(falcon_h1):
+    mup = [f"model.layers.{i}.mamba.mup_vector" for i in range(2)]
+    with tpviz.launch(falcon_h1, 2) as job:
+        result = job.wait(180)
+        logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
+        held = job.call(rank_tensors, mup)
+    assert result["plan_matches_shards"]
+    reference = hf_model(falcon_h1)
+    with torch.no_grad():
+        expected = reference(torch.tensor(FIXED_PROMPT) % 1003).logits
+    assert (logits - expected).abs().max().item() <= 1e-4
+    assert all(torch.equal(rank[n], reference.get_buffer(n)) for rank in held for n in mup)
+
+
 # --- renamed keys -----------------------------------------------------------------------------
 
 

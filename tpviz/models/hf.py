@@ -67,9 +67,12 @@ class HFAdapter(ModelAdapter):
             with _judged_by_transformers():
                 return auto.from_pretrained(self.source, trust_remote_code=True)
         model_type = self._model_type(config)
+        # as transformers reads config.json: floats JSON cannot hold (a default infinity) are
+        # saved tagged, {"__float__": "Infinity"}, and decoded on reading
+        fields = self.transformers.PreTrainedConfig._decode_special_floats(config)
         with _judged_by_transformers():
             return auto.for_model(
-                model_type, **{k: v for k, v in config.items() if k != "model_type"}
+                model_type, **{k: v for k, v in fields.items() if k != "model_type"}
             )
 
     def _model_type(self, config: dict[str, Any]) -> str:
@@ -116,7 +119,11 @@ class HFAdapter(ModelAdapter):
 
     def compute_buffers(self, model: nn.Module, device: torch.device) -> None:
         """Non-persistent buffers (rotary frequencies) get real storage, then the values
-        transformers' own `_init_weights` gives them."""
+        transformers' own `_init_weights` gives them: that of the module holding them, or,
+        where that leaves them unset, of its nearest ancestor that sets them (Falcon-H1 sets
+        each layer's `mup_vector` from the base model). Floating-point storage starts as NaN,
+        so that a buffer no init sets is found, not read as whatever memory held."""
+        parents = {child: parent for parent in model.modules() for child in parent.children()}
         for module in model.modules():
             meta = [
                 n
@@ -126,9 +133,19 @@ class HFAdapter(ModelAdapter):
             if not meta:
                 continue
             for name in meta:
-                module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
+                module._buffers[name] = _unset_like(module._buffers[name], device)
+            owner = module
             with torch.no_grad():
-                model._init_weights(module)
+                model._init_weights(owner)
+                while _unset(module, meta) and owner in parents:
+                    owner = parents[owner]
+                    model._init_weights(owner)
+            if _unset(module, meta):
+                names = ", ".join(n for n in meta if module._buffers[n].isnan().any())
+                raise ConfigError(
+                    f"{type(module).__name__}.{names}: transformers' _init_weights gives this "
+                    "computed buffer no value; tpviz cannot make it"
+                )
 
     def init_module(self, model: nn.Module, module: nn.Module) -> None:
         with torch.no_grad():
@@ -139,3 +156,18 @@ class HFAdapter(ModelAdapter):
 
     def logits(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, use_cache=False).logits
+
+
+def _unset_like(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Real storage for a meta buffer: NaN where it can hold NaN (an unset value shows)."""
+    if meta.is_floating_point():
+        return torch.full_like(meta, float("nan"), device=device)
+    return torch.zeros_like(meta, device=device)
+
+
+def _unset(module: nn.Module, names: list[str]) -> bool:
+    """Whether any of the module's floating-point buffers `names` still holds NaN."""
+    return any(
+        module._buffers[n].is_floating_point() and bool(module._buffers[n].isnan().any())
+        for n in names
+    )
