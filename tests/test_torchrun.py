@@ -65,3 +65,19 @@ def test_a_rank_that_cannot_read_its_source_while_rank_0_resolves_still_loads(tm
     assert run.returncode == 0, run.stderr[-3000:]
     output = json.loads(run.stdout.strip().splitlines()[-1])
     assert output["result"]["plan_matches_shards"] and output["logits_shape"] == [1, 4, 1000]
+
+
+def test_a_rank_asked_for_another_load_or_to_write_into_the_checkpoint_fails_them_all(
+    tmp_path, tiny
+):
+    """Each rank checks what it was asked before loading; one rank's problem ends every rank
+    with the same one-line error (a rank on another strategy would wait in collectives its
+    peers never enter)."""
+    inside = tiny / "events"
+    run = _torchrun_load(tmp_path, str(tiny), str(inside))
+    assert run.returncode != 0 and not inside.exists()
+    assert "rank 0: events dir" in run.stderr and "would write into the checkpoint" in run.stderr
+    run = _torchrun_load(tmp_path, str(tiny), str(tmp_path / "ev"), str(tiny), "rank0_broadcast")
+    assert run.returncode != 0
+    assert "rank 1: asked for strategy rank0_broadcast" in run.stderr
+    assert "every rank must ask for the same load" in run.stderr

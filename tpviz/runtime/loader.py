@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError
 from ..events import Done, Phase, RankPhase
 from ..models import ModelAdapter, get_adapter, prompt_ids, read_config
+from ..outputs import OutputPathError, check_output_dir
 from ..plan import ResolvedPlan, resolve_plan
 from ..plan.resolve import SourceModel, read_source, resolve_and_keep
 from ..profiling import PHASE_PREFIX, rank_profiler
@@ -265,6 +266,7 @@ def load_sharded(
     choices = dict(dtype=dtype, model=model, kv_replication=kv_replication, experts=experts)
     options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
     resolved, found = _resolve_on_rank0(source, plan, choices, options)
+    events_dir = _agree(resolved, options, events_dir)
     sink = EventSink(dist.get_rank(), events_dir=events_dir)
     try:
         return load_in_group(resolved, options, sink, local, found)
@@ -300,6 +302,36 @@ def _resolve_on_rank0(
     if found and (found.adapter.name, found.source) != (resolved.model, resolved.source):
         found = None  # read for another model than the plan's: the load builds its own
     return resolved, found
+
+
+def _agree(
+    plan: ResolvedPlan, options: LoadOptions, events_dir: str | os.PathLike | None
+) -> str | None:
+    """Check, on every rank and before anything is loaded, what each rank was asked: outputs
+    outside the checkpoint (tpviz never writes there) and the same load as rank 0's (a rank
+    running another strategy would wait in collectives its peers never enter). One rank's
+    problem fails them all, with the same error. Returns the events dir, made absolute."""
+    problem = None
+    try:
+        if events_dir:
+            events_dir = check_output_dir(events_dir, "events dir", plan.source)
+        if options.profile_dir:
+            options.profile_dir = check_output_dir(options.profile_dir, "profile dir", plan.source)
+    except OutputPathError as e:
+        problem = str(e)
+    asked = [(options.strategy, options.init, options.seed)]
+    dist.broadcast_object_list(asked, src=0)
+    if problem is None and asked[0] != (options.strategy, options.init, options.seed):
+        problem = (
+            f"asked for strategy {options.strategy}, init {options.init}, seed {options.seed}; "
+            f"rank 0 for {', '.join(map(str, asked[0]))}: every rank must ask for the same load"
+        )
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    for rank, found in enumerate(problems):
+        if found:
+            raise ValueError(f"rank {rank}: {found}")
+    return events_dir
 
 
 def _read_while_waiting(
