@@ -116,3 +116,9 @@ def test_options_that_cannot_take_effect_are_refused_before_launch(tiny, cli):
     )
     with pytest.raises(ValueError, match="seed must be an integer, not 'x'"):
         tpviz.launch(tiny, 2, init="random", seed="x")
+    for hz in ("fast", 1e-300, float("nan"), -1):
+        with pytest.raises(ValueError, match="memory_hz must be 0 .* or from 0.1 to 1000.0"):
+            tpviz.launch(tiny, 2, memory_hz=hz)
+    for strategies, wrong in [(("sliced", "bogus"), "unknown strategy 'bogus'"), ("sliced", "")]:
+        with pytest.raises(ValueError, match=wrong or "a non-empty tuple of strategy names"):
+            tpviz.compare(tiny, 2, strategies=strategies)  # before any rank starts

@@ -345,3 +345,14 @@ def test_reload_in_bfloat16_reads_through_a_staging_buffer_of_one_slice(warm, ti
         assert rank["param_bytes"] < rank["peak_tensor_bytes"]
         largest = max(t.source_nbytes(t.ranks[rank["rank"]].bytes // 2) for t in plan.params)
         assert rank["peak_tensor_bytes"] <= rank["param_bytes"] + largest
+
+
+# after the test above: the job's arguments now include dtype="bfloat16"
+def test_a_resolved_plan_given_to_reload_is_loaded_for_what_it_was_resolved(warm, tiny_tied):
+    plan = resolve_plan(tiny_tied, 2)  # another checkpoint, float32: neither is inherited
+    warm.job = warm.job.reload(plan=plan)
+    result = warm.job.wait(120)
+    assert result["source"] == str(tiny_tied.resolve()) and result["dtype"] == "float32"
+    assert result["plan_matches_shards"]
+    with pytest.raises(ValueError, match="resolved for dtype float32, not bfloat16"):
+        warm.job.reload(plan=plan, dtype="bfloat16")  # what reload is told still counts

@@ -69,6 +69,17 @@ def check_memory(plan: ResolvedPlan, strategy: str, device: str, init: str) -> N
 MAX_SECONDS = 30 * 24 * 3600
 
 
+def _check_strategies(strategies: Any) -> None:
+    """compare()'s strategies, checked before any rank starts: a tuple or list of known ones."""
+    if isinstance(strategies, str) or not isinstance(strategies, (tuple, list)) or not strategies:
+        raise ValueError(
+            f"strategies must be a non-empty tuple of strategy names, not {strategies!r}"
+        )
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategy {unknown[0]!r} (choose from {', '.join(STRATEGIES)})")
+
+
 def _check_seconds(name: str, value: float | None) -> None:
     """A duration argument: None, or a number of seconds in (0, MAX_SECONDS] (not a bool; NaN
     and infinity fail too)."""
@@ -199,10 +210,14 @@ def _reload(args: dict[str, Any], job: LoadJob, changes: dict[str, Any]) -> Load
                 f"a reload keeps the ranks' {fixed} ({args[fixed]!r}); launch a new job to "
                 f"change it"
             )
+    resolved_by = {"source", "dtype", "model", "kv_replication", "experts"}
     if isinstance(args["plan"], ResolvedPlan) and "plan" not in changes:
-        stale = {"source", "dtype", "model", "kv_replication", "experts"} & set(changes)
-        if stale:  # a resolved plan is for one source and dtype: resolve the model's default
-            changes = {**changes, "plan": None}
+        if resolved_by & set(changes):  # a resolved plan is for one source and dtype: resolve
+            changes = {**changes, "plan": None}  # the model's default plan
+    plan = changes.get("plan")
+    if isinstance(plan, ResolvedPlan):  # it says what it was resolved for, unless changes do
+        inherited = {"source": plan.source, "dtype": None, "model": None, "experts": None}
+        changes = {**{k: v for k, v in inherited.items() if k not in changes}, **changes}
     return _start({**args, **changes}, warm=job)
 
 
@@ -244,6 +259,7 @@ def compare(
         kv_replication=launch_kwargs.pop("kv_replication", True),
         experts=launch_kwargs.pop("experts", None),
     )
+    _check_strategies(strategies)
     results: list[LoadResult] = []
     job = None
     try:

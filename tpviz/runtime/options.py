@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from ..plan import ResolvedPlan
 from ..strategies import STRATEGIES
 
+# memory sampling rates: below the minimum a sample would come long after the load ended,
+# above the maximum the sampler would take a core from the load it measures
+MIN_MEMORY_HZ, MAX_MEMORY_HZ = 0.1, 1000.0
+
 
 @dataclass
 class LoadOptions:
@@ -41,6 +45,16 @@ class LoadOptions:
             raise ValueError(f"init must be 'checkpoint' or 'random', not {self.init!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, not {self.seed!r}")
+        hz = self.memory_hz
+        if (
+            isinstance(hz, bool)
+            or not isinstance(hz, (int, float))
+            or not (hz == 0 or MIN_MEMORY_HZ <= hz <= MAX_MEMORY_HZ)
+        ):
+            raise ValueError(
+                f"memory_hz must be 0 (no sampling between units) or from {MIN_MEMORY_HZ} to "
+                f"{MAX_MEMORY_HZ} samples a second, not {hz!r}"
+            )
         if self.profile_forward and not self.profile_dir:
             raise ValueError(
                 "profile_forward profiles into profile_dir: give that too (CLI: --profile DIR)"
