@@ -46,6 +46,12 @@ def tiny(checkpoints) -> Path:
 
 
 @pytest.fixture(scope="session")
+def small(checkpoints) -> Path:
+    """The small preset (150 MB): where memory figures are large enough to compare."""
+    return make_checkpoint(checkpoints / "small", "small")
+
+
+@pytest.fixture(scope="session")
 def tiny_tied(checkpoints) -> Path:
     return make_checkpoint(checkpoints / "tiny-tied", "tiny", tie_embeddings=True, seed=1)
 

@@ -129,13 +129,6 @@ def test_rank_failing_in_rank0_broadcast_does_not_leave_peers_waiting(broken):
     assert error.rank == 0 and str(path) in str(error)
 
 
-@pytest.fixture(scope="module")
-def small(checkpoints):
-    from tpviz.models.demo import make_checkpoint
-
-    return make_checkpoint(checkpoints / "small", "small")
-
-
 @pytest.mark.slow
 def test_rank_killed_from_outside_fails_the_job_naming_it(small):
     killed = threading.Event()

@@ -26,13 +26,6 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a stopped process
 
 
-@pytest.fixture(scope="module")
-def small(checkpoints):
-    from tpviz.models.demo import make_checkpoint
-
-    return make_checkpoint(checkpoints / "small-liveness", "small")
-
-
 def sleep_on_rank(model, seconds: float) -> float:
     """`call` target: user code that takes longer than the heartbeat timeout, but is alive."""
     time.sleep(seconds)

@@ -129,3 +129,20 @@ def test_a_thp_switch_the_caller_set_wins(monkeypatch):
     assert processes._missing_defaults() == {}
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
     assert processes._missing_defaults() == {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["replicated", "rank0_broadcast"])
+def test_a_load_on_warm_ranks_peaks_as_high_as_on_fresh_ones(small, strategy):
+    """Whole tensors freed during a load: glibc's heap would keep them for the next load on
+    the same ranks (its mmap threshold raised by the first), which then peaked 20-40% higher
+    for the same tensors."""
+    from tpviz.job import RSS_MARGIN_BYTES
+
+    with tpviz.launch(small, 2, strategy=strategy) as job:
+        fresh = job.wait(120)
+        for _ in range(2):
+            job = job.reload()
+            warm = job.wait(120)
+            for now, first in zip(warm.ranks, fresh.ranks):
+                assert abs(now.peak_rss_bytes - first.peak_rss_bytes) <= RSS_MARGIN_BYTES
