@@ -363,3 +363,22 @@ def test_a_missing_expert_tensor_is_named_before_launch(moe, tmp_path, cli):
     result = cli("plan", str(broken), "--world-size", "2")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"{key} is missing from the checkpoint (3 of 4 modules found)" in result.stderr
+
+
+def test_experts_are_found_by_their_own_count_whatever_the_config_calls_it(tmp_path):
+    """ERNIE-4.5-MoE declares its experts as `moe_num_experts`, a name no other family uses:
+    the experts module's own `num_experts` finds them under either layout."""
+    config = transformers.AutoConfig.for_model(
+        "ernie4_5_moe",
+        **dict(DIMS, head_dim=16),
+        moe_num_experts=4,
+        moe_k=2,
+        moe_intermediate_size=32,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=0,
+    )
+    config.save_pretrained(tmp_path)  # config-only: planned without weights
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    for experts, placement in [("tp", "shard(1)"), ("ep", "shard(0)")]:
+        plan = tpviz.resolve_plan(tmp_path, 2, experts=experts)
+        assert not plan.errors and plan.tensor(name).placement == placement

@@ -68,7 +68,9 @@ def find_experts(
         key = compiled.peek(name)
         style = styles.executable(key.style_given) if key else None
         named = style is not None and style.name in EXPERT_STYLES
-        n = stacked[0].shape[0] if named else count
+        # the module's own count (transformers' experts keep `num_experts`), else the config's
+        own = getattr(module, "num_experts", None)
+        n = stacked[0].shape[0] if named else own if isinstance(own, int) else count
         if n is None or not any(p.shape[0] == n for p in stacked):
             continue
         found[name] = [leaf for leaf, p in params.items() if p.dim() >= 1 and p.shape[0] == n]
