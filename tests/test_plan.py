@@ -172,12 +172,12 @@ def test_suggestions_are_canonical_names_with_aliases_named_as_aliases(typo):
         styles.canonical(typo)
     assert e.value.suggestions and all(s in styles.STYLES for s in e.value.suggestions)
     hint = str(e.value).split("; did you mean ")[1].split("?")[0]
-    # every name offered outside parentheses is canonical; an alias appears only as "v4 alias"
-    offered = re.sub(r" \(v4 alias (\w+)\)", "", hint).split(", ")
+    # every name offered outside parentheses is canonical; an alias appears only as "alias"
+    offered = re.sub(r" \(alias (\w+)\)", "", hint).split(", ")
     assert offered == e.value.suggestions
-    for alias in re.findall(r"\(v4 alias (\w+)\)", hint):
+    for alias in re.findall(r"\(alias (\w+)\)", hint):
         assert alias in styles.ALIASES
-    assert "v4 aliases: colwise_rep = colwise_gather_output" in str(e.value)
+    assert "aliases: colwise_rep = colwise_gather_output" in str(e.value)
 
 
 def test_known_but_unexecutable_style_is_reported_with_its_modules():
@@ -580,3 +580,18 @@ def test_the_builtin_llama_reads_checkpoints_as_transformers_llama_does(tiny, tm
     assert [(e.code, e.name) for e in errors] == [
         ("unexpected_tensor", "model.layers.0.self_attn.extra.weight")
     ]
+
+
+def test_transformers_unit_styles_are_the_head_keeping_cuts_tpviz_makes(tiny):
+    """transformers 5's unit_colwise / unit_rowwise keep heads whole, replicating them when
+    ranks outnumber them: colwise / rowwise here, whose cuts by head do the same."""
+    unit = {
+        "layers.*.self_attn.k_proj": "unit_colwise",
+        "layers.*.self_attn.o_proj": "unit_rowwise",
+    }
+    plain = {"layers.*.self_attn.k_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+    for world_size in (2, 8):  # 4 key-value heads: replicated over pairs of ranks at 8
+        a, b = resolve_plan(tiny, world_size, unit), resolve_plan(tiny, world_size, plain)
+        assert not a.errors and a.local_kv_groups == b.local_kv_groups
+        held = [[(t.name, t.style, t.placement, t.ranks) for t in p.params] for p in (a, b)]
+        assert held[0] == held[1]

@@ -1,4 +1,4 @@
-"""The one place style names live: v5 names and v4 aliases -> style instances.
+"""The one place style names live: names and aliases -> style instances.
 
 Adding a style: a module with its class, and a line in `STYLES` below.
 """
@@ -43,12 +43,16 @@ STYLES: dict[str, Style] = {
     )
 }
 
-# Names transformers 4.x used for the same behaviour.
+# Other names transformers gives the same behaviour: 4.x's, and 5.x's unit_ styles (cuts that
+# keep whole heads, replicating them over ranks when there are fewer heads than ranks, which
+# tpviz's head analysis does for every cut by head: tpviz/heads.py).
 ALIASES: dict[str, str] = {
     "colwise_rep": "colwise_gather_output",
     "rowwise_rep": "rowwise_split_input",
     "local_colwise": "colwise",
     "local_rowwise": "rowwise",
+    "unit_colwise": "colwise",
+    "unit_rowwise": "rowwise",
 }
 
 # Styles transformers ships that tpviz recognises but cannot execute (yet).
@@ -76,12 +80,12 @@ class UnknownStyle(ValueError):
         for match in close:
             via.setdefault(ALIASES.get(match, match), match if match in ALIASES else None)
         self.suggestions = list(via)[:3]
-        hint = ", ".join(f"{s} (v4 alias {via[s]})" if via[s] else s for s in self.suggestions)
+        hint = ", ".join(f"{s} (alias {via[s]})" if via[s] else s for s in self.suggestions)
         aliases = ", ".join(f"{a} = {c}" for a, c in ALIASES.items())
         super().__init__(
             f"unknown TP style {name!r}"
             + (f"; did you mean {hint}?" if hint else "")
-            + f" (valid: {', '.join(STYLES)}; v4 aliases: {aliases})"
+            + f" (valid: {', '.join(STYLES)}; aliases: {aliases})"
         )
 
 
@@ -92,12 +96,12 @@ class UnsupportedStyle(ValueError):
 
 
 def executable(name: str) -> Style | None:
-    """The style tpviz executes for a v5 name or v4 alias, or None."""
+    """The style tpviz executes for a name or an alias, or None."""
     return STYLES.get(ALIASES.get(name, name))
 
 
 def canonical(name: str) -> Style:
-    """The style for a v5 name or v4 alias; raises UnknownStyle / UnsupportedStyle."""
+    """The style for a name or an alias; raises UnknownStyle / UnsupportedStyle."""
     style = executable(name)
     if style is not None:
         return style
