@@ -32,6 +32,7 @@ HF_MODELS = {
     "bitnet": ("bitnet", {}),
     "phi3": ("phi3", {}),
     "mixtral": ("mixtral", dict(num_local_experts=4)),
+    "opt": ("opt", dict(ffn_dim=128, word_embed_proj_dim=64)),  # learned positions
 }
 MLP = {
     "falcon": ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
@@ -304,3 +305,17 @@ def test_modules_no_style_cuts_stay_replicated_with_the_reason(tmp_path, capsys)
     }
     assert "transformer.h.*.attn.c_attn: replicated (Conv1D is not an nn.Linear" in err
     assert "(0.0%)" in err
+
+
+def test_an_embedding_that_looks_up_no_ids_is_neither_suggested_nor_cut(suggestion, checkpoint):
+    """OPT's learned positions subclass nn.Embedding, but their forward takes the attention
+    mask: a vocabulary cut's hook would mask the mask. Its token embedding is still cut."""
+    plan = suggestion("opt").plan
+    assert "model.decoder.embed_positions" not in plan
+    assert plan["model.decoder.embed_tokens"] == "embedding_rowwise"
+    given = {"model.decoder.embed_positions": "embedding_rowwise"}
+    errors = tpviz.resolve_plan(checkpoint("opt"), 2, given).errors
+    assert [(e.code, e.name) for e in errors] == [
+        ("unsupported_style", "model.decoder.embed_positions")
+    ]
+    assert "this module is OPTLearnedPositionalEmbedding" in errors[0].message

@@ -84,13 +84,18 @@ def _check(args: argparse.Namespace, suggestion: Suggestion) -> dict[str, Any]:
         "max_abs_diff": verify.get("max_abs_diff"),
         "tolerance": verify.get("tolerance"),
         "plan_matches_shards": result.plan_matches_shards,
+        "error": verify.get("error"),  # the forward failed: no logits to compare
     }
 
 
 def _check_line(check: dict[str, Any]) -> str:
     verdict = "ok" if check["ok"] else "FAILED"
+    logits = (
+        f"the forward failed ({check['error']})"
+        if check["error"]
+        else f"logits max |diff| {check['max_abs_diff']:.3g} (tolerance {check['tolerance']:.0e})"
+    )
     return (
-        f"check: {check['world_size']} ranks, logits max |diff| {check['max_abs_diff']:.3g} "
-        f"(tolerance {check['tolerance']:.0e}), plan_matches_shards "
+        f"check: {check['world_size']} ranks, {logits}, plan_matches_shards "
         f"{str(check['plan_matches_shards']).lower()}: {verdict}"
     )

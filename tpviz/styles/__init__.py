@@ -4,7 +4,19 @@ Pure: the plan places tensors with a style's cut; the runtime installs the forwa
 `forward` describes.
 """
 
-from .base import ANY, EMBEDDING, LINEAR, PARTIAL, REPLICATE, ROUTED, Cut, Forward, Style, is_bias
+from .base import (
+    ANY,
+    EMBEDDING,
+    LINEAR,
+    PARTIAL,
+    REPLICATE,
+    ROUTED,
+    Cut,
+    Forward,
+    Style,
+    is_bias,
+    module_kind,
+)
 from .registry import (
     ALIASES,
     DEFAULT_STYLE,
@@ -35,4 +47,5 @@ __all__ = [
     "canonical",
     "executable",
     "is_bias",
+    "module_kind",
 ]

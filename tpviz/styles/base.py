@@ -9,6 +9,7 @@ Pure: torch's DTensor placements are built only when a forward runs (importing
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -50,11 +51,23 @@ def module_kind(module: nn.Module) -> str:
     """The kind a style's `modules` names: LINEAR, EMBEDDING, EXPERTS, or the class name."""
     if isinstance(module, nn.Linear):
         return LINEAR
-    if isinstance(module, nn.Embedding):
+    if isinstance(module, nn.Embedding) and _looks_up_ids_first(type(module)):
         return EMBEDDING
     if any(p is not None and p.dim() >= 3 for p in module._parameters.values()):
         return EXPERTS
     return type(module).__name__
+
+
+@functools.cache
+def _looks_up_ids_first(cls: type) -> bool:
+    """Whether an nn.Embedding class's forward takes the ids to look up first, as a
+    vocabulary-cut embedding's hook needs (it masks its first input). Subclasses may compute
+    their ids from other inputs: OPT's learned positions take the attention mask first, Bart's
+    the ids' shape."""
+    if cls.forward is nn.Embedding.forward:
+        return True
+    params = list(inspect.signature(cls.forward).parameters)[1:]
+    return bool(params) and (params[0] in ("input", "x") or params[0].endswith("ids"))
 
 
 @dataclass(frozen=True, slots=True)

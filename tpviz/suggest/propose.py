@@ -34,6 +34,7 @@ from ..format import first_line
 from ..models import build_skeleton, get_adapter, prompt_ids, read_config
 from ..plan import ResolvedPlan, resolve_plan
 from ..plan.experts import EXPERT_STYLES
+from ..styles import EMBEDDING, module_kind
 from .dataflow import trace
 from .simulate import run_ranks
 
@@ -179,7 +180,9 @@ def _units(instance: nn.Module, run: Callable) -> list[Unit]:
     tensor (a tied embedding and head) are one unit: they must be placed alike."""
     flow = trace(instance, run)
     parts = [
-        ("embedding", [n], []) for n, m in instance.named_modules() if isinstance(m, nn.Embedding)
+        ("embedding", [n], [])
+        for n, m in instance.named_modules()
+        if module_kind(m) == EMBEDDING  # an nn.Embedding looking up the ids it is given
     ]
     parts += [("pair", cols, rows) for cols, rows in flow.pairs(instance)]
     paired = {n for kind, cols, rows in parts for n in cols + rows}
