@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import time
 
 import psutil
@@ -116,6 +117,13 @@ def test_options_that_cannot_take_effect_are_refused_before_launch(tiny, cli):
     )
     with pytest.raises(ValueError, match="seed must be an integer, not 'x'"):
         tpviz.launch(tiny, 2, init="random", seed="x")
+    for kwargs, wrong in [
+        ({"dtype": 5}, "dtype must be a name such as 'bfloat16' or a torch.dtype, not 5"),
+        ({"verify": "no"}, "verify must be True or False, not 'no'"),
+        ({"kv_replication": 1}, "kv_replication must be True or False, not 1"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(wrong)):
+            tpviz.launch(tiny, 2, **kwargs)
     for hz in ("fast", 1e-300, float("nan"), -1):
         with pytest.raises(ValueError, match="memory_hz must be 0 .* or from 0.1 to 1000.0"):
             tpviz.launch(tiny, 2, memory_hz=hz)

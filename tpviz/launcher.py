@@ -159,6 +159,9 @@ def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
     """Check a request (`launch()`'s arguments) and start its job: on new ranks, or on those
     of the loaded job `warm`, which hands them over only once the request is found valid."""
     a = SimpleNamespace(**args)
+    for flag in ("verify", "kv_replication", "force"):  # "no" would read as true
+        if not isinstance(args[flag], bool):
+            raise ValueError(f"{flag} must be True or False, not {args[flag]!r}")
     _check_seconds("timeout", a.timeout)
     _check_seconds("heartbeat_timeout", a.heartbeat_timeout)
     resolved = resolve_plan(

@@ -189,6 +189,10 @@ def _target_dtype(
     dtype: str | torch.dtype | None, config: dict[str, Any], ckpt: Checkpoint | None
 ) -> torch.dtype:
     if dtype:
+        if not isinstance(dtype, (str, torch.dtype)):
+            raise ValueError(
+                f"dtype must be a name such as 'bfloat16' or a torch.dtype, not {dtype!r}"
+            )
         given = dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype)
         if not given.is_floating_point:
             raise ValueError(f"dtype {dtype_name(given)}: weights load as a floating-point dtype")
