@@ -113,3 +113,22 @@ def test_closing_jobs_while_events_flow_never_breaks_the_pump(tiny):
         sys.setswitchinterval(interval)
     assert failures == []
     assert children() == []
+
+
+def waits_alone_on_rank_0(model):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.barrier()  # a collective rank 1 never enters
+
+
+@pytest.mark.slow
+def test_a_rank_left_in_a_collective_its_peers_never_entered_ends_the_job(tiny):
+    """A deadlock the heartbeat cannot see (its thread beats on): rank 0 still runs the call
+    heartbeat_timeout after rank 1 finished it, and the job ends, naming it."""
+    with tpviz.launch(tiny, 2, heartbeat_timeout=HEARTBEAT) as job:
+        job.wait(BOUND)
+        start = time.monotonic()
+        with pytest.raises(tpviz.LoadError, match="rank 0 was still running call 3 s after"):
+            job.call(waits_alone_on_rank_0)
+        assert time.monotonic() - start < BOUND and job.state == "failed"

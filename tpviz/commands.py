@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,11 +32,17 @@ class CommandChannel:
             self._cond.notify_all()
 
     def run(
-        self, name: CommandName, args: tuple[Any, ...], given_up: Callable[[], bool]
+        self,
+        name: CommandName,
+        args: tuple[Any, ...],
+        given_up: Callable[[], bool],
+        straggler_seconds: float,
     ) -> dict[int, Reply]:
         """Every rank's reply by rank; fewer when `given_up()` turned true first (the job
-        ended). No wall-clock limit: user code may take long, and a silent rank fails the
-        job through its heartbeat."""
+        ended), or when a rank has not replied `straggler_seconds` after the others all did:
+        it waits in a collective they never entered (or works that much longer alone). No
+        wall-clock limit otherwise: user code may take long, and a silent rank fails the job
+        through its heartbeat."""
         command_id = next(self._ids)
         self.running = name
         try:
@@ -43,12 +50,26 @@ class CommandChannel:
             with contextlib.suppress(OSError):
                 self._ranks.send_all(Command(name, command_id, args))
             with self._cond:
-                self._cond.wait_for(
-                    lambda: len(self._replies.get(command_id, {})) == self._world or given_up()
-                )
+                self._wait(command_id, given_up, straggler_seconds)
                 return self._replies.pop(command_id, {})
         finally:
             self.running = None
+
+    def _wait(self, command_id: int, given_up: Callable[[], bool], straggler: float) -> None:
+        """Until every rank replied, the job ended, or `straggler` seconds passed since the
+        last reply came while some are still missing."""
+        seen, deadline = 0, None
+        while True:
+            count = len(self._replies.get(command_id, {}))
+            if count == self._world or given_up():
+                return
+            if count != seen:  # another reply: the ranks still at it get `straggler` more
+                seen, deadline = count, time.monotonic() + straggler
+            if deadline is None:
+                self._cond.wait()
+            elif not self._cond.wait(max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    return
 
     def reload(self, spec: Any) -> None:
         """Send every (loaded, idle) rank the next load's WorkerSpec; its events answer."""

@@ -21,7 +21,7 @@ import torch
 from .commands import CommandChannel
 from .eventlog import EventLog
 from .events import LAUNCHER_RANK, Done, Error, Event, JobState, Phase
-from .liveness import death_message, silence_message, unforked_message
+from .liveness import death_message, silence_message, straggler_message, unforked_message
 from .messages import CommandName, EventBatch, Reply
 from .models import get_adapter, read_config
 from .plan import ResolvedPlan
@@ -301,13 +301,15 @@ class LoadJob:
         if self.state is not JobState.LOADED and not verifying:
             raise LoadError(f"the job is {self.state}; commands need a loaded model")
         if name in (CommandName.FORWARD, CommandName.CALL):
-            # what runs there may keep memory for good (a first forward imports
-            # torch._dynamo, ~45 MiB): the next load's baseline becomes the reference
+            # what runs may stay (a forward imports torch._dynamo): the next load is the reference
             self._ranks.reference_baselines = None
-        replies = self._commands.run(name, args, given_up=lambda: self.state.ended)
+        replies = self._commands.run(name, args, lambda: self.state.ended, self.heartbeat_timeout)
+        world = self.plan.world_size
+        if len(replies) < world and not self.state.ended:
+            late = min(set(range(world)) - set(replies))
+            self._rank_failed(late, straggler_message(late, name, self.heartbeat_timeout))
         if self.error is not None:
             raise self.error
-        world = self.plan.world_size
         if len(replies) < world:
             raise LoadError(f"the job is {self.state}; {name} was not finished")
         failed = next((r for r in sorted(replies) if not replies[r].ok), None)

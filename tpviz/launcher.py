@@ -3,8 +3,9 @@
 Ranks start under the `spawn` start method with a file rendezvous in a private temp dir and
 loopback-only sockets (see processes.py). A pump thread multiplexes the ranks' pipes and process
 sentinels, so a rank that fails or dies ends the whole job within a fraction of a second; a rank
-whose heartbeat falls silent (frozen, stopped, deadlocked) ends it after `heartbeat_timeout`;
-ranks notice a dead launcher on their own (runtime/heartbeat.py).
+whose heartbeat falls silent (frozen, stopped) ends it after `heartbeat_timeout`, as does one
+still running a command that long after its peers finished it (waiting in a collective they
+never entered); ranks notice a dead launcher on their own (runtime/heartbeat.py).
 """
 
 from __future__ import annotations
@@ -144,9 +145,9 @@ def launch(
     `profile_dir` writes torch.profiler traces (one TensorBoard worker per rank);
     `profile_forward` also profiles one forward of the fixed prompt after loading.
     `timeout` bounds the load in wall time; `heartbeat_timeout` (seconds) is how long a rank
-    may stay silent (frozen, stopped, deadlocked) before the job fails, at any time from start
-    to shutdown: long-running `forward` or `call` commands are bounded only by it; a rank
-    tpviz's rank server has not forked within twice that fails the job too.
+    may stay silent (frozen, stopped) before the job fails, at any time from start to
+    shutdown, and how long one may run a `forward` or `call` after the other ranks finished
+    it; a rank tpviz's rank server has not forked within twice that fails the job too.
     `kv_replication=False` refuses world sizes past the key-value heads (see `resolve_plan`)."""
     _end_rank_running_an_unguarded_script()
     request = dict(locals())

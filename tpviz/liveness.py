@@ -53,3 +53,12 @@ def unforked_message(rank: int, seconds: float) -> str:
         f"{seconds:.0f} s after the launch; the server was ended with the job, and the next "
         "launch starts a new one"
     )
+
+
+def straggler_message(rank: int, command: str, seconds: float) -> str:
+    """`rank` had not finished `command` `seconds` after every other rank had."""
+    return (
+        f"rank {rank} was still running {command} {seconds:.0f} s after the other ranks had "
+        "finished it: waiting in a collective they never entered (or working that much longer "
+        "alone; a larger heartbeat_timeout allows more); the job was ended"
+    )
