@@ -150,6 +150,21 @@ def test_block_diagram_draws_each_rank_its_blocks_to_scale(shape, dim, world_siz
     assert cuts <= set(ticks)
 
 
+@pytest.mark.parametrize("dim", [0, 2])  # expert parallel, tensor parallel
+def test_stacked_experts_are_drawn_across_the_dim_they_are_cut_along(dim):
+    """(experts, hidden, features): cut along features, every rank's block spans every expert,
+    so dim 0 and the cut dim are drawn; cut along experts, dims 0 and 1."""
+    tensor = synthetic_tensor([4, 64, 96], dim, 2, style="rowwise")
+    fig = figures.block_diagram_figure(tensor)
+    across = 2 if dim == 2 else 1
+    for trace in (t for t in fig.data if t.meta["kind"] == "block"):
+        (block,) = tensor.ranks[trace.meta["rank"]].blocks
+        x0, y0 = block.offset[across], block.offset[0]
+        assert rectangles(trace) == [(x0, x0 + block.shape[across], y0, y0 + block.shape[0])]
+    assert fig.layout.xaxis.title.text == f"dim {across}"
+    assert f"(dim {3 - across} not drawn)" in fig.layout.title.text
+
+
 def test_block_diagram_of_real_plan_tensors_matches_their_offsets(uneven3):
     plan = resolve_plan(uneven3, 3)
     for t in plan.params:

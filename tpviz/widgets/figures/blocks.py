@@ -1,5 +1,6 @@
 """One tensor drawn to scale as its ranks hold it: each rank's blocks a rectangle in the rank's
-colour, a replicated tensor one hatched rectangle, an empty rank a legend entry. A chunk held
+colour, a replicated tensor one hatched rectangle, an empty rank a legend entry. A tensor of 3
+or more dims is drawn over dim 0 and the dim it is cut along (or dim 1). A chunk held
 whole by several ranks (`shard(D, groups=G)`: replicated key-value heads) is drawn in stripes,
 one per rank that holds it, each stripe standing for the whole chunk."""
 
@@ -17,6 +18,7 @@ Rect = tuple[int, int, int, int]  # x0, x1, y0, y1
 def block_diagram_figure(tensor: TensorPlan) -> go.Figure:
     """The tensor drawn to scale, each block a rectangle in its owning rank's colour."""
     ndim = len(tensor.global_shape)
+    across = drawn_across(tensor)
     fig = go.Figure()
     if tensor.shard_dim is None:
         fig.add_trace(_replicated_trace(tensor))
@@ -26,7 +28,9 @@ def block_diagram_figure(tensor: TensorPlan) -> go.Figure:
             fig.add_trace(_empty_rank_trace(shard))
             continue
         sharing = sharing_ranks(tensor, shard.rank)
-        rects = [_stripe(block_rect(b, ndim), sharing, shard.rank, ndim) for b in shard.blocks]
+        rects = [
+            _stripe(block_rect(b, ndim, across), sharing, shard.rank, ndim) for b in shard.blocks
+        ]
         fig.add_trace(_rank_blocks_trace(shard, rects, sharing))
         for i, (x0, x1, y0, y1) in enumerate(rects):
             part = f" · part {i + 1}" if len(rects) > 1 else ""
@@ -48,16 +52,23 @@ def block_diagram_figure(tensor: TensorPlan) -> go.Figure:
     return fig
 
 
-def block_rect(block: Block, ndim: int) -> Rect:
-    """(x0, x1, y0, y1) of a block: x spans dim 1 (columns), y dim 0 (rows); a 1-D tensor is
-    one row along x."""
+def drawn_across(tensor: TensorPlan) -> int:
+    """The dim drawn along x (dim 0 goes down): dim 1, or the dim a tensor of 3 or more dims
+    is cut along, so that its cut shows (stacked experts cut along their features)."""
+    dim = tensor.shard_dim
+    return dim if dim is not None and dim >= 2 else 1
+
+
+def block_rect(block: Block, ndim: int, across: int = 1) -> Rect:
+    """(x0, x1, y0, y1) of a block: x spans dim `across` (columns), y dim 0 (rows); a 1-D
+    tensor is one row along x."""
     if ndim == 0:
         return 0, 1, 0, 1
     if ndim == 1:
         return block.offset[0], block.offset[0] + block.shape[0], 0, 1
     return (
-        block.offset[1],
-        block.offset[1] + block.shape[1],
+        block.offset[across],
+        block.offset[across] + block.shape[across],
         block.offset[0],
         block.offset[0] + block.shape[0],
     )
@@ -100,7 +111,8 @@ def _polygons(rects: list[Rect]) -> tuple[list, list]:
 def _replicated_trace(tensor: TensorPlan) -> go.Scatter:
     """The whole tensor, hatched grey: every rank holds all of it."""
     ndim = len(tensor.global_shape)
-    xs, ys = _polygons([block_rect(Block([0] * ndim, list(tensor.global_shape)), ndim)])
+    whole = Block([0] * ndim, list(tensor.global_shape))
+    xs, ys = _polygons([block_rect(whole, ndim, drawn_across(tensor))])
     return go.Scatter(
         x=xs,
         y=ys,
@@ -158,7 +170,9 @@ def _block_axes(fig: go.Figure, tensor: TensorPlan) -> None:
     # every tensor sets the same layout keys: a FigureWidget swapping diagrams keeps stale ones
     shape = tensor.global_shape
     ndim = len(shape)
-    note = " (dims 2+ not drawn)" if ndim > 2 else ""
+    across = drawn_across(tensor)
+    hidden = [str(d) for d in range(1, ndim) if d != across]
+    note = f" (dim {', '.join(hidden)} not drawn)" if hidden else ""
     rank_shapes = ", ".join(f"rank {s.rank} {shape_text(s.shape)}" for s in tensor.ranks)
     if any(not s.blocks for s in tensor.ranks):
         rank_shapes += " (torch.chunk leaves trailing ranks empty)"
@@ -176,7 +190,11 @@ def _block_axes(fig: go.Figure, tensor: TensorPlan) -> None:
         height=460 if ndim >= 2 else 240,
     )
     if ndim >= 2:
-        x = {"title": "dim 1", "range": [0, shape[1]], "tickvals": _edges(tensor, 1)}
+        x = {
+            "title": f"dim {across}",
+            "range": [0, shape[across]],
+            "tickvals": _edges(tensor, across),
+        }
         y = {"title": "dim 0", "range": [shape[0], 0], "tickvals": _edges(tensor, 0)}
         # to scale: a row is as tall as a column is wide
         y.update(visible=True, scaleanchor="x", scaleratio=1, constrain="domain")
