@@ -366,8 +366,8 @@ class LoadJob:
         """Give the loaded ranks to the next job (`reload`); this job closes without ending
         them."""
         with self._cond:
-            if self.error is not None:  # e.g. a rank that died since loading: say which
-                raise self.error
+            if self.error is not None:  # its ranks are gone: say why
+                raise LoadError(f"a failed job cannot reload (launch a new one): {self.error}")
             if self.state is not JobState.LOADED:
                 raise LoadError(f"the job is {self.state}; a reload needs a loaded job")
             self.state = JobState.CLOSED
