@@ -90,10 +90,10 @@ def _keep_torch_cache_out_of_tmpdir() -> None:
     its cache dir in $TMPDIR as it is imported, and nothing removes it: this process's goes into
     multiprocessing's temp dir instead, which is removed at exit (the forkserver's goes there
     too, processes.start_server)."""
-    from multiprocessing import util
+    from .processes import private_temp_dir
 
     os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR", os.path.join(util.get_temp_dir(), "torchinductor")
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(private_temp_dir(), "torchinductor")
     )
 
 

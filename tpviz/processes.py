@@ -72,6 +72,7 @@ RANK_ENVIRON = {"THP_MEM_ALLOC_ENABLE": "1"}
 _server_lock = threading.Lock()
 _server_started = False
 _temp_dir_lock: int | None = None  # the fd whose flock marks multiprocessing's temp dir ours
+_temp_dir_guard = threading.Lock()
 
 
 def remove_stale_workdirs() -> None:
@@ -122,24 +123,31 @@ def start_server(preload: Sequence[str] = ()) -> mp.context.BaseContext:
     """Start the forkserver ranks are forked from (once per process, or again after
     `stop_server`; at once, so that its imports overlap the caller's own work), preloading
     `preload` too (see `rank_imports`), and return its context."""
-    global _server_started, _temp_dir_lock
+    global _server_started
     ctx = mp.get_context("forkserver")
     with _server_lock:
         if _server_started:
             return ctx
         ctx.set_forkserver_preload([*PRELOAD, *preload])
-        # multiprocessing's temp dir holds the server's socket (a path of at most ~107 bytes,
-        # so nothing is nested deeper): it removes it at exit; locked like a workdir, the next
-        # launcher removes it if this process was killed. The server's own temp files (torch's
-        # inductor cache dir) go there too.
-        path = mp_util.get_temp_dir()
-        if _temp_dir_lock is None:  # locked once: a second flock of ours would wait on the first
-            _temp_dir_lock = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(_temp_dir_lock, fcntl.LOCK_EX)  # held for as long as this process lives
+        # the server's socket (a path of at most ~107 bytes, so nothing is nested deeper) and
+        # its own temp files (torch's inductor cache dir) go in this process's temp dir
+        path = private_temp_dir()
         with _environ({**_missing_defaults(), "TMPDIR": path}):
             forkserver.ensure_running()  # the server takes this process's environment now
         _server_started = True
     return ctx
+
+
+def private_temp_dir() -> str:
+    """This process's temp dir: multiprocessing's, which it removes at exit, locked like a
+    workdir so that the next launcher removes it if this process was killed."""
+    global _temp_dir_lock
+    path = mp_util.get_temp_dir()
+    with _temp_dir_guard:
+        if _temp_dir_lock is None:  # locked once: a second flock of ours would wait on the first
+            _temp_dir_lock = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(_temp_dir_lock, fcntl.LOCK_EX)  # held for as long as this process lives
+    return path
 
 
 def stop_server() -> None:
