@@ -109,6 +109,8 @@ def test_an_abandoned_job_is_shut_down_when_collected(tiny):
 
 
 def test_options_that_cannot_take_effect_are_refused_before_launch(tiny, cli):
+    done = cli("load", str(tiny), "--seed", "3")  # loads the checkpoint: no seed to use
+    assert done.returncode == 2 and "--seed seeds --init random" in done.stderr
     done = cli("load", str(tiny), "--profile-forward")
     assert done.returncode == 2
     assert (

@@ -187,10 +187,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _launch_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    if args.seed is not None and args.init != "random":
+        raise ValueError("--seed seeds --init random; add that, or drop --seed")
     return dict(
         device=args.device,
         init=args.init,
-        seed=args.seed,
+        seed=args.seed or 0,
         verify=args.verify,
         timeout=args.timeout,
         heartbeat_timeout=args.heartbeat_timeout,

@@ -61,7 +61,7 @@ def _load_flags(p: argparse.ArgumentParser) -> None:
         default="checkpoint",
         help="random: initialise from --seed instead of loading",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of --init random (default 0)")
+    p.add_argument("--seed", type=int, help="seed of --init random (default 0)")
     p.add_argument("--profile", metavar="DIR", help="write torch.profiler traces for TensorBoard")
     p.add_argument(
         "--profile-forward",
