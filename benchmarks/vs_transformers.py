@@ -23,6 +23,7 @@ Without SOURCE it uses the `medium` demo checkpoint (made once in the cache dir)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -82,6 +83,8 @@ def ratio(a: list[float], b: list[float]) -> str:
 
 def main() -> None:
     args, source = parse_args(__doc__.splitlines()[0])
+    if importlib.util.find_spec("accelerate") is None:  # transformers' TP loading needs it
+        sys.exit("vs_transformers.py needs the bench extra: pip install -e '.[bench]'")
     size = sum(f.stat().st_size for f in source.glob("*.safetensors"))
     print(
         f"{source} ({size / 1e6:.0f} MB), world size {args.world_size}, {os.cpu_count()} "
