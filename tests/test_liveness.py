@@ -13,6 +13,7 @@ import pytest
 
 import tpviz
 from tpviz.events import Memory, UnitStart
+from tpviz.job import HEARTBEAT_TIMEOUT
 from tpviz.plan import resolve_plan
 
 from .test_failures import children
@@ -132,3 +133,24 @@ def test_a_rank_left_in_a_collective_its_peers_never_entered_ends_the_job(tiny):
         with pytest.raises(tpviz.LoadError, match="rank 0 was still running call 3 s after"):
             job.call(waits_alone_on_rank_0)
         assert time.monotonic() - start < BOUND and job.state == "failed"
+
+
+@pytest.mark.slow
+def test_a_collective_that_timed_out_in_a_call_ends_the_job(tiny):
+    """The reload's timeout becomes the ranks' collective timeout (it kept the launch's), so
+    rank 0's lone barrier times out before the straggler rule (heartbeat_timeout) would end
+    it; the barrier after the failed call finds the process group broken and ends the job,
+    where it stayed loaded and every later command failed on a closed connection."""
+    collective_timeout = 10.0
+    with tpviz.launch(tiny, 2) as first:
+        first.wait(BOUND)
+        with first.reload(timeout=collective_timeout) as job:
+            job.wait(BOUND)
+            start = time.monotonic()
+            with pytest.raises(tpviz.LoadError, match="no longer works after it") as failed:
+                job.call(waits_alone_on_rank_0)
+            assert time.monotonic() - start < HEARTBEAT_TIMEOUT
+            assert "rank 0: call failed" in str(failed.value) and job.state == "failed"
+            with pytest.raises(tpviz.LoadError, match="a failed job cannot reload"):
+                job.reload()
+    assert children() == []

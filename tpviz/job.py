@@ -19,11 +19,18 @@ from typing import Any
 import torch
 
 from .commands import CommandChannel
+from .errors import LoadError
 from .eventlog import EventLog
 from .events import LAUNCHER_RANK, Done, Error, Event, JobState, Phase
-from .liveness import death_message, silence_message, straggler_message, unforked_message
+from .liveness import (
+    broken_group_message,
+    death_message,
+    silence_message,
+    straggler_message,
+    unforked_message,
+)
 from .messages import CommandName, EventBatch, Reply
-from .models import get_adapter, read_config
+from .models import vocab_size
 from .plan import ResolvedPlan
 from .processes import Ranks, rank_imports
 from .results import LoadResult
@@ -35,31 +42,6 @@ HEARTBEAT_TIMEOUT = 30.0  # seconds of silence after which a rank counts as froz
 # How far above its first load's baseline a warm rank's resident set may stay after releasing
 # the previous model before the result says so (allocator and import residue is a few MiB).
 RSS_MARGIN_BYTES = 16 * 2**20
-
-
-class LoadError(RuntimeError):
-    """The job failed: names the rank, module and file where known."""
-
-    def __init__(
-        self,
-        message: str,
-        rank: int | None = None,
-        module: str | None = None,
-        file: str | None = None,
-        traceback: str = "",
-    ):
-        super().__init__(message)
-        self.rank, self.module, self.file, self.traceback = rank, module, file, traceback
-
-    @classmethod
-    def from_event(cls, event: Error) -> LoadError:
-        where = f" loading {event.module}" if event.module else ""
-        message = f"rank {event.rank} failed{where}: {event.message}"
-        return cls(message, event.rank, event.module, event.file, event.traceback)
-
-
-class MemoryForecastError(LoadError):
-    pass
 
 
 class LoadJob:
@@ -303,6 +285,16 @@ class LoadJob:
         if name in (CommandName.FORWARD, CommandName.CALL):
             # what runs may stay (a forward imports torch._dynamo): the next load is the reference
             self._ranks.reference_baselines = None
+        replies = self._replies(name, args)
+        failed = next((r for r in sorted(replies) if not replies[r].ok), None)
+        if failed is not None:  # the traceback stays on the error, off its message
+            error = LoadError(replies[failed].payload, failed, traceback=replies[failed].traceback)
+            self._end_if_group_broken(error)
+            raise error
+        return [replies[r].payload for r in range(self.plan.world_size)]
+
+    def _replies(self, name: CommandName, args: tuple[Any, ...]) -> dict[int, Reply]:
+        """Every rank's reply to a command, or the job's error (a rank died, or straggled)."""
         replies = self._commands.run(name, args, lambda: self.state.ended, self.heartbeat_timeout)
         world = self.plan.world_size
         if len(replies) < world and not self.state.ended:
@@ -312,25 +304,24 @@ class LoadJob:
             raise self.error
         if len(replies) < world:
             raise LoadError(f"the job is {self.state}; {name} was not finished")
-        failed = next((r for r in sorted(replies) if not replies[r].ok), None)
-        if failed is not None:  # the traceback stays on the error, off its message
-            raise LoadError(replies[failed].payload, failed, traceback=replies[failed].traceback)
-        return [replies[r].payload for r in range(world)]
+        return replies
+
+    def _end_if_group_broken(self, error: LoadError) -> None:
+        """After a failed command, a barrier: a collective that timed out in it leaves the
+        process group broken (gloo closes its connections), and every later command or reload
+        would fail on that; the job ends instead, saying so."""
+        replies = self._replies(CommandName.CHECK_GROUP, ())
+        broken = next((r for r in sorted(replies) if not replies[r].ok), None)
+        if broken is not None:
+            self._rank_failed(error.rank, broken_group_message(error, replies[broken].payload))
+            raise self.error from error
 
     def forward(self, input_ids: torch.Tensor | list) -> torch.Tensor:
         """Run the sharded model on `input_ids`; the logits, gathered, on this side. Ids are
         checked here first (ValueError): no rank would notice one outside the vocabulary."""
-        ids = check_token_ids(input_ids, self._vocab_size())
+        self._vocab = self._vocab or vocab_size(self.plan.source, self.plan.model)
+        ids = check_token_ids(input_ids, self._vocab)
         return self._command(CommandName.FORWARD, ids)[0]
-
-    def _vocab_size(self) -> int:
-        if self._vocab is None:
-            config = read_config(self.plan.source)
-            vocab = config.get("vocab_size")  # what every model family tpviz runs writes
-            if not isinstance(vocab, int):  # nested (text_config): the adapter knows where
-                vocab = get_adapter(config, self.plan.model, self.plan.source).vocab_size(config)
-            self._vocab = vocab
-        return self._vocab
 
     def shard_report(self) -> list[list[dict[str, Any]]]:
         """Each rank's real local tensors (shape, dtype, device, placement) beside the plan."""

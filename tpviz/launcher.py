@@ -20,7 +20,8 @@ import psutil
 import torch
 
 from .capacity import free_task_slots, host_shortfall
-from .job import HEARTBEAT_TIMEOUT, LoadError, LoadJob, MemoryForecastError
+from .errors import LoadError, MemoryForecastError
+from .job import HEARTBEAT_TIMEOUT, LoadJob
 from .outputs import check_output_dir
 from .plan import ResolvedPlan, forecast, resolve_plan
 from .processes import rank_imports, start_server
@@ -144,10 +145,11 @@ def launch(
     `init="random"` initialises from `seed` instead of loading (a config-only source needs it).
     `profile_dir` writes torch.profiler traces (one TensorBoard worker per rank);
     `profile_forward` also profiles one forward of the fixed prompt after loading.
-    `timeout` bounds the load in wall time; `heartbeat_timeout` (seconds) is how long a rank
-    may stay silent (frozen, stopped) before the job fails, at any time from start to
-    shutdown, and how long one may run a `forward` or `call` after the other ranks finished
-    it; a rank tpviz's rank server has not forked within twice that fails the job too.
+    `timeout` bounds the load in wall time and is the ranks' collective timeout;
+    `heartbeat_timeout` (seconds) is how long a rank may stay silent (frozen, stopped) before
+    the job fails, at any time from start to shutdown, and how long one may run a `forward`
+    or `call` after the other ranks finished it; a rank tpviz's rank server has not forked
+    within twice that fails the job too.
     `kv_replication=False` refuses world sizes past the key-value heads (see `resolve_plan`)."""
     _end_rank_running_an_unguarded_script()
     request = dict(locals())

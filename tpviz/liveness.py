@@ -62,3 +62,12 @@ def straggler_message(rank: int, command: str, seconds: float) -> str:
         "finished it: waiting in a collective they never entered (or working that much longer "
         "alone; a larger heartbeat_timeout allows more); the job was ended"
     )
+
+
+def broken_group_message(error: Exception, check: str) -> str:
+    """A command failed (`error`) and left the process group unusable (`check`: what the
+    barrier after it said)."""
+    return (
+        f"{error}; the process group no longer works after it ({check}), so the job was ended: "
+        "launch a new one"
+    )

@@ -16,6 +16,7 @@ class CommandName(StrEnum):
     FORWARD = "forward"
     SHARD_REPORT = "shard_report"
     CALL = "call"
+    CHECK_GROUP = "check_group"  # a barrier: does the process group still work?
     SHUTDOWN = "shutdown"
     RELOAD = "reload"  # args: the next load's WorkerSpec; answered by that load's events
 

@@ -30,6 +30,16 @@ __all__ = ["HeadCounts", "ModelAdapter", "ConfigError", "get_adapter", "read_con
 FIXED_PROMPT = [[1, 5, 42, 7, 99, 3, 250, 17]]
 
 
+def vocab_size(source: str | os.PathLike, model: str | None) -> int:
+    """The vocabulary of the model at `source`: config.json's `vocab_size`, which every family
+    tpviz runs writes at its top, or where its adapter knows (nested: text_config)."""
+    config = read_config(source)
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int):  # no adapter needed (it may import transformers)
+        return vocab
+    return get_adapter(config, model, source).vocab_size(config)
+
+
 def prompt_ids(adapter: ModelAdapter, config: dict[str, Any]) -> torch.Tensor:
     return torch.tensor(FIXED_PROMPT) % adapter.vocab_size(config)
 

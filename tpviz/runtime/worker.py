@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout  # it has no public name yet
 
 from ..events import Error, Phase, RankPhase
 from ..format import first_line
@@ -68,6 +69,7 @@ def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
             del loaded  # the previous model, before the next one is built
             sink.close()
             release_memory(device)
+            set_group_timeout(spec.timeout)  # the reload's own
             sink = EventSink(rank, channel.send, spec.events_dir)
             sink.emit(Phase(rank, time.time(), name=RankPhase.STARTING))
     except BaseException as e:  # report, then leave at once: peers may be stuck in collectives
@@ -123,6 +125,12 @@ def release_memory(device: torch.device) -> None:
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:  # glibc only
         trim(0)
+
+
+def set_group_timeout(seconds: float) -> None:
+    """The default group's collective timeout (gloo and nccl take a new one between
+    collectives; a reload may ask for another than the launch's)."""
+    _set_pg_timeout(timedelta(seconds=seconds))
 
 
 def _serve(loaded: ShardedModel, channel: Channel) -> WorkerSpec | None:
@@ -182,4 +190,5 @@ COMMANDS: dict[CommandName, Callable[..., Any]] = {
     CommandName.FORWARD: _forward,
     CommandName.SHARD_REPORT: lambda loaded: loaded.shard_report(),
     CommandName.CALL: _call,
+    CommandName.CHECK_GROUP: lambda loaded: dist.barrier(),
 }
