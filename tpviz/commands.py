@@ -13,6 +13,11 @@ from .messages import Command, CommandName, Reply
 from .processes import Ranks
 
 
+def first_failed(replies: dict[int, Reply]) -> int | None:
+    """The lowest rank whose reply says its command failed, if any."""
+    return next((rank for rank in sorted(replies) if not replies[rank].ok), None)
+
+
 class CommandChannel:
     """Sends a command to every rank and collects one reply per rank. Replies are handed in
     by the pump thread (`on_reply`); `cond` is the job's, so that a job that ends wakes a

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .commands import CommandChannel
+from .commands import CommandChannel, first_failed
 from .errors import LoadError
 from .eventlog import EventLog
 from .events import LAUNCHER_RANK, Done, Error, Event, JobState, Phase
@@ -286,7 +286,7 @@ class LoadJob:
             # what runs may stay (a forward imports torch._dynamo): the next load is the reference
             self._ranks.reference_baselines = None
         replies = self._replies(name, args)
-        failed = next((r for r in sorted(replies) if not replies[r].ok), None)
+        failed = first_failed(replies)
         if failed is not None:  # the traceback stays on the error, off its message
             error = LoadError(replies[failed].payload, failed, traceback=replies[failed].traceback)
             self._end_if_group_broken(error)
@@ -311,7 +311,7 @@ class LoadJob:
         process group broken (gloo closes its connections), and every later command or reload
         would fail on that; the job ends instead, saying so."""
         replies = self._replies(CommandName.CHECK_GROUP, ())
-        broken = next((r for r in sorted(replies) if not replies[r].ok), None)
+        broken = first_failed(replies)
         if broken is not None:
             self._rank_failed(error.rank, broken_group_message(error, replies[broken].payload))
             raise self.error from error

@@ -26,7 +26,7 @@ from .outputs import check_output_dir
 from .plan import ResolvedPlan, forecast, resolve_plan
 from .processes import rank_imports, start_server
 from .results import LoadResult, add_ratios
-from .runtime.options import LoadOptions
+from .runtime.options import LoadOptions, check_strategy
 from .strategies import STRATEGIES
 
 __all__ = [
@@ -77,9 +77,8 @@ def _check_strategies(strategies: Any) -> None:
         raise ValueError(
             f"strategies must be a non-empty tuple of strategy names, not {strategies!r}"
         )
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        raise ValueError(f"unknown strategy {unknown[0]!r} (choose from {', '.join(STRATEGIES)})")
+    for strategy in strategies:
+        check_strategy(strategy)
 
 
 def _check_seconds(name: str, value: float | None) -> None:

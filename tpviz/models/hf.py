@@ -140,11 +140,11 @@ class HFAdapter(ModelAdapter):
                 while _unset(module, meta) and owner in parents:
                     owner = parents[owner]
                     model._init_weights(owner)
-            if _unset(module, meta):
-                names = ", ".join(n for n in meta if module._buffers[n].isnan().any())
+            unset = _unset(module, meta)
+            if unset:
                 raise ConfigError(
-                    f"{type(module).__name__}.{names}: transformers' _init_weights gives this "
-                    "computed buffer no value; tpviz cannot make it"
+                    f"{type(module).__name__}.{', '.join(unset)}: transformers' _init_weights "
+                    "gives this computed buffer no value; tpviz cannot make it"
                 )
 
     def init_module(self, model: nn.Module, module: nn.Module) -> None:
@@ -165,9 +165,10 @@ def _unset_like(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.zeros_like(meta, device=device)
 
 
-def _unset(module: nn.Module, names: list[str]) -> bool:
-    """Whether any of the module's floating-point buffers `names` still holds NaN."""
-    return any(
-        module._buffers[n].is_floating_point() and bool(module._buffers[n].isnan().any())
+def _unset(module: nn.Module, names: list[str]) -> list[str]:
+    """Those of the module's buffers `names` that are floating point and still hold NaN."""
+    return [
+        n
         for n in names
-    )
+        if module._buffers[n].is_floating_point() and bool(module._buffers[n].isnan().any())
+    ]

@@ -16,6 +16,11 @@ from ..strategies import STRATEGIES
 MIN_MEMORY_HZ, MAX_MEMORY_HZ = 0.1, 1000.0
 
 
+def check_strategy(name: str) -> None:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r} (choose from {', '.join(STRATEGIES)})")
+
+
 @dataclass
 class LoadOptions:
     strategy: str = "sliced"
@@ -37,10 +42,7 @@ class LoadOptions:
         return self.init == "checkpoint" and (self.strategy != "rank0_broadcast" or rank == 0)
 
     def validate(self, plan: ResolvedPlan) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(
-                f"unknown strategy {self.strategy!r} (choose from {', '.join(STRATEGIES)})"
-            )
+        check_strategy(self.strategy)
         if self.init not in ("checkpoint", "random"):
             raise ValueError(f"init must be 'checkpoint' or 'random', not {self.init!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
