@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -15,6 +17,7 @@ import tpviz
 from tpviz.events import Memory, UnitStart
 from tpviz.job import HEARTBEAT_TIMEOUT
 from tpviz.plan import resolve_plan
+from tpviz.processes import Ranks, _pump_once
 
 from .test_failures import children
 
@@ -154,3 +157,58 @@ def test_a_collective_that_timed_out_in_a_call_ends_the_job(tiny):
             with pytest.raises(tpviz.LoadError, match="a failed job cannot reload"):
                 job.reload()
     assert children() == []
+
+
+def _report_then_exit(conn) -> None:
+    """A rank's last moments when it fails: it sends, then exits at once."""
+    conn.send_bytes(pickle.dumps("progress"))
+    conn.recv_bytes()  # the pump has read the first message
+    conn.send_bytes(pickle.dumps("error"))
+
+
+class RecordingListener:
+    """What the pump hands a job, in order; on the first message the rank is let go and has
+    exited before the pump's tick ends (the race a loaded machine makes)."""
+
+    def __init__(self, proc, conn):
+        self.proc, self.conn = proc, conn
+        self.handled: list[str] = []
+        self.judged: list[str] | None = None  # what had been handled when the exit was judged
+
+    def _heard(self, rank: int) -> None:
+        pass
+
+    def _handle(self, rank: int, message: str) -> None:
+        self.handled.append(message)
+        if message == "progress":
+            self.conn.send_bytes(b"go")
+            self.proc.join()
+
+    def _check(self, exited: dict[int, int]) -> None:
+        if exited and self.judged is None:
+            self.judged = list(self.handled)
+
+    def _pump_failed(self, error: Exception) -> None:
+        raise error
+
+
+def test_a_rank_that_exits_right_after_reporting_is_judged_after_its_report():
+    """A failing rank sends its error and exits at once: the job must fail with that error,
+    never with "rank died" (seen in CI when the exit was judged before the error was read)."""
+    ctx = mp.get_context("fork")  # the child only writes to its pipe
+    parent_end, child_end = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_report_then_exit, args=(child_end,), daemon=True)
+    proc.start()
+    child_end.close()
+    ranks = Ranks()
+    ranks.procs.append(proc)
+    ranks.conns.append(parent_end)
+    listener = RecordingListener(proc, parent_end)
+    ranks.listen(listener)
+    try:
+        deadline = time.monotonic() + BOUND
+        while listener.judged is None and time.monotonic() < deadline:
+            _pump_once(ranks)
+        assert listener.judged == ["progress", "error"]
+    finally:
+        ranks.close()

@@ -152,16 +152,16 @@ class LoadJob:
             elif isinstance(event, Done):
                 self._rank_done()
 
-    def _check(self) -> None:
-        """The ranks' health, on every pump tick: dead, over time, silent or never forked."""
+    def _check(self, exited: dict[int, int]) -> None:
+        """The ranks' health, on every pump tick: dead (`exited`: rank -> exit code, of ranks
+        whose messages have all been handled), over time, silent or never forked."""
         if self.state.ended:
             return
-        for rank, proc in enumerate(self._procs):
-            if proc.exitcode is not None:
-                progress = self.progress[rank]
-                loading = self.state is JobState.STARTING
-                message = death_message(rank, proc.exitcode, progress, loading, self._warm)
-                return self._rank_failed(rank, message)
+        if exited:
+            rank = min(exited)
+            loading = self.state is JobState.STARTING
+            message = death_message(rank, exited[rank], self.progress[rank], loading, self._warm)
+            return self._rank_failed(rank, message)
         now = time.monotonic()
         if self._deadline and self.state is JobState.STARTING and now > self._deadline:
             message = f"the load did not finish within its timeout ({self._timeout:g} s)"

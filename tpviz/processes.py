@@ -188,12 +188,13 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 
 class Listener(Protocol):
     """What the pump tells its job (held weakly, so that an abandoned job is collected and its
-    ranks ended): a rank was heard, what it sent, a tick to check the ranks' health, and the
-    pump's own failure (a bug there must not leave callers waiting for replies forever)."""
+    ranks ended): a rank was heard, what it sent, a tick to check the ranks' health (with the
+    exit codes of the ranks that had exited before what they sent was read), and the pump's
+    own failure (a bug there must not leave callers waiting for replies forever)."""
 
     def _heard(self, rank: int) -> None: ...
     def _handle(self, rank: int, message: Any) -> None: ...
-    def _check(self) -> None: ...
+    def _check(self, exited: dict[int, int]) -> None: ...
     def _pump_failed(self, error: Exception) -> None: ...
 
 
@@ -372,27 +373,29 @@ def _pump_once(ranks: Ranks) -> bool:
     ready = wait(conns + [p.sentinel for p in ranks.procs], timeout=0.1)
     # Taken after the wait: a message ready now was sent before a later switch of listener
     # (`listen` happens before the next job's reload is sent), and one message is read per
-    # pipe of a live rank, so each goes to the job it belongs to. A rank that has exited
-    # serves no later job: all it sent is read before the listener's check judges its end.
+    # pipe of a live rank, so each goes to the job it belongs to.
     listener = ranks.listener()
     if listener is None:
         return False
-    for item in ready:
-        if item in conns:
-            rank = conns.index(item)
+    # Which ranks have exited is decided once, here, and only their ends are judged: a rank
+    # sends before it exits, so all it sent is in its pipe now and is read first. (A rank
+    # that reports its error and exits at once fails the job with that error, not "died".)
+    exited = {rank: p.exitcode for rank, p in enumerate(ranks.procs) if p.exitcode is not None}
+    for rank, conn in enumerate(conns):
+        if conn in ready or rank in exited:
             listener._heard(rank)  # a readable pipe is a live (or ended) rank
-            exited = ranks.procs[rank].sentinel in ready
-            for message in _received(item, drain=exited):
+            for message in _received(conn, drain=rank in exited):
                 listener._handle(rank, message)
-    listener._check()
+    listener._check(exited)
     return True
 
 
 def _received(conn: Connection, drain: bool) -> Iterator[Any]:
-    """The next message on a readable pipe, or (`drain`) every message left in it; nothing
-    once the rank's end is closed (its sentinel says how it ended)."""
+    """The next message on a readable pipe, or (`drain`) every message in it now; nothing
+    once the rank's end is closed (its exit code says how it ended)."""
     try:
-        yield pickle.loads(conn.recv_bytes())  # plain pickles: runtime/channel
+        if not drain:
+            yield pickle.loads(conn.recv_bytes())  # plain pickles: runtime/channel
         while drain and conn.poll():
             yield pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
