@@ -125,6 +125,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     """Start the forkserver that ranks fork from as soon as a selected test may start ranks
     (the slow ones), so that its imports overlap collection and the first tests."""
     if any(item.get_closest_marker("slow") for item in items):
-        from tpviz.processes import start_server
+        from tpviz.rankserver import start_server
 
         start_server()

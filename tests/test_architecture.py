@@ -17,6 +17,7 @@ EDGES = (
     "launcher",
     "job",
     "processes",
+    "rankserver",
     "commands",
     "widgets",
     "cli",

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 import tpviz
 from tpviz.events import UnitStart
 from tpviz.plan import resolve_plan
-from tpviz.processes import start_server
+from tpviz.rankserver import start_server
 
 from .conftest import REPO
 
@@ -281,7 +281,7 @@ import sys
 
 import psutil
 
-from tpviz.processes import rank_imports, start_server
+from tpviz.rankserver import rank_imports, start_server
 
 
 def preloaded(name):

@@ -1,7 +1,7 @@
 """Fresh shard memory (runtime/memory.py, runtime/arena.py): `prefault` makes a tensor's pages
 resident ahead of its read, and the tensor stays exactly its size and writable; a rank's CPU
 shards are views of one block, which in spawned ranks torch's allocator marks for huge pages
-(processes.RANK_ENVIRON); the resident set is read from /proc/self/statm."""
+(rankserver.RANK_ENVIRON); the resident set is read from /proc/self/statm."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tpviz
-from tpviz import processes
+from tpviz import rankserver
 from tpviz.checkpoint import torch_dtype
 from tpviz.models.demo import make_checkpoint
 from tpviz.runtime import memory
@@ -126,9 +126,9 @@ def test_resident_reads_the_resident_set_and_its_anonymous_part():
 
 def test_a_thp_switch_the_caller_set_wins(monkeypatch):
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
-    assert processes._missing_defaults() == {}
+    assert rankserver.missing_defaults() == {}
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
-    assert processes._missing_defaults() == {"THP_MEM_ALLOC_ENABLE": "1"}
+    assert rankserver.missing_defaults() == {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
 @pytest.mark.slow

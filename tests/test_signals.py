@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from tpviz.processes import LOCK, Ranks, remove_stale_workdirs
+from tpviz.processes import Ranks
+from tpviz.rankserver import LOCK, remove_stale_workdirs
 
 from .conftest import REPO
 

@@ -68,7 +68,7 @@ def test_the_monitor_shows_startup_on_its_chart_until_loading_begins(tiny):
 
 
 def test_the_forkserver_preloads_what_a_rank_of_the_model_imports(tmp_path, tiny):
-    from tpviz.processes import rank_imports
+    from tpviz.rankserver import rank_imports
 
     from .conftest import write_config
 

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _keep_torch_cache_out_of_tmpdir()
     if args.command in ("load", "compare", "demo"):
-        from .processes import rank_imports, start_server
+        from .rankserver import rank_imports, start_server
 
         # its imports (torch; transformers for its models) overlap this process's own work
         start_server(rank_imports(getattr(args, "source", None), getattr(args, "model", None)))
@@ -89,8 +89,8 @@ def _keep_torch_cache_out_of_tmpdir() -> None:
     """torch._dynamo (imported by transformers' model classes, and by a first forward) makes
     its cache dir in $TMPDIR as it is imported, and nothing removes it: this process's goes into
     multiprocessing's temp dir instead, which is removed at exit (the forkserver's goes there
-    too, processes.start_server)."""
-    from .processes import private_temp_dir
+    too, rankserver.start_server)."""
+    from .rankserver import private_temp_dir
 
     os.environ.setdefault(
         "TORCHINDUCTOR_CACHE_DIR", os.path.join(private_temp_dir(), "torchinductor")

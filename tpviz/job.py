@@ -32,7 +32,8 @@ from .liveness import (
 from .messages import CommandName, EventBatch, Reply
 from .models import vocab_size
 from .plan import ResolvedPlan
-from .processes import Ranks, rank_imports
+from .processes import Ranks
+from .rankserver import rank_imports
 from .results import LoadResult
 from .runtime.options import LoadOptions, WorkerSpec
 from .token_ids import check_token_ids

@@ -1,7 +1,7 @@
 """launch() and compare(): check the request, then start a LoadJob (job.py) on local ranks.
 
 Ranks start under the `spawn` start method with a file rendezvous in a private temp dir and
-loopback-only sockets (see processes.py). A pump thread multiplexes the ranks' pipes and process
+loopback-only sockets (see rankserver.py). A pump thread multiplexes the ranks' pipes and process
 sentinels, so a rank that fails or dies ends the whole job within a fraction of a second; a rank
 whose heartbeat falls silent (frozen, stopped) ends it after `heartbeat_timeout`, as does one
 still running a command that long after its peers finished it (waiting in a collective they
@@ -24,7 +24,7 @@ from .errors import LoadError, MemoryForecastError
 from .job import HEARTBEAT_TIMEOUT, LoadJob
 from .outputs import check_output_dir
 from .plan import ResolvedPlan, forecast, resolve_plan
-from .processes import rank_imports, start_server
+from .rankserver import rank_imports, start_server
 from .results import LoadResult, add_ratios
 from .runtime.options import LoadOptions, check_strategy
 from .strategies import STRATEGIES

@@ -6,184 +6,38 @@ It is also the one that closes pipes and processes (`close`); other threads ask 
 (`request_close`) and wait for it. Closing a pipe from another thread while the pump is inside
 `recv()` breaks the pump.
 
-The temp dir (`$TMPDIR/tpviz-<pid>-*`: the rendezvous file, and the ranks' own $TMPDIR) is locked
-with `flock` for as long as its launcher lives, so a later launcher can prove a dir stale (its
-lock is free: the owner was killed with SIGKILL) and remove it.
-
-Ranks start from multiprocessing's forkserver with torch and tpviz's rank code preloaded
-(`start_server`): each rank is a fork of a process that has imported them and done nothing
-else, so it pays no import. This is as safe as `spawn` for what fork usually breaks: the
-server is a fresh interpreter (started by exec, not forked from this process, so none of its
-threads, locks, OpenMP pools or CUDA context), preloading only imports modules (no torch op
-runs there, so no intra-op or OpenMP thread pool exists to be forked, and CUDA is never
-initialised), and its only thread is the one that forks. Each rank still imports the caller's
-`__main__` as spawn does (hence the `__main__` guard), gets the caller's current environment
-(with `RANK_ENVIRON`'s defaults, which the server also starts with), and watches its pipe to
-this process rather than its parent (the server), see heartbeat.py.
-The server's socket lives in multiprocessing's temp dir (`$TMPDIR/pymp-*`), which tpviz locks
-like its own: removed at interpreter exit, or as stale by the next launcher if this process
-was killed.
-
 Forking a rank waits on the server (multiprocessing gives that wait no deadline), so ranks are
 started by a thread of their own while the pump keeps checking the job: a server that is
 stopped or stuck cannot keep a timeout, a cancel or a signal from ending the job. Ending a
-job whose ranks are still being started ends the server too (`stop_server`); the next launch
+job whose ranks are still being started ends the server too (rankserver.py); the next launch
 starts a fresh one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
-import multiprocessing as mp
 import os
 import pickle
 import shutil
-import signal
 import tempfile
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from multiprocessing import forkserver
-from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Any, Protocol
 
-from .choices import model_family
-from .inputs import read_json
+from .rankserver import (
+    LOCK,
+    PREFIX,
+    missing_defaults,
+    remove_stale_workdirs,
+    start_server,
+    stop_server,
+)
 from .runtime.heartbeat import boot
 
 TERMINATE_GRACE_SECONDS = 3.0
-PREFIX = "tpviz-"
-LOCK = "owner.lock"
-MP_PREFIX = "pymp-"  # multiprocessing's temp dir: ours to remove when it holds our lock
-# what the forkserver imports before it forks ranks: torch, torch.distributed and the rank code.
-# Not torch._dynamo: about a second more on every cold start's critical path, and a load never
-# imports it (parallelize builds DTensors directly); a rank's first forward does.
-PRELOAD = ["tpviz.runtime.worker"]
-# Defaults for the server's and the ranks' environment, where the caller has not set them.
-# THP_MEM_ALLOC_ENABLE=1 makes torch's CPU allocator (which reads it once) mark allocations of
-# 2 MiB and more MADV_HUGEPAGE, so a shard's fresh memory faults in 2 MiB at a time rather
-# than 4 KiB: loads 1.3-4x faster on the machines tpviz is built on (README, "Huge pages").
-# A caller's own value wins (0 turns it off).
-RANK_ENVIRON = {"THP_MEM_ALLOC_ENABLE": "1"}
-_server_lock = threading.Lock()
-_server_started = False
-_temp_dir_lock: int | None = None  # the fd whose flock marks multiprocessing's temp dir ours
-_temp_dir_guard = threading.Lock()
-
-
-def remove_stale_workdirs() -> None:
-    """Remove tpviz temp dirs whose owner is gone: only those whose lock can be taken."""
-    root = tempfile.gettempdir()
-    try:
-        names = [n for n in os.listdir(root) if n.startswith((PREFIX, MP_PREFIX))]
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(root, name)
-        try:
-            fd = os.open(os.path.join(path, LOCK), os.O_RDONLY)
-        except OSError:  # not ours, or not (yet) locked: not provably stale
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass  # its launcher is alive
-        finally:
-            os.close(fd)
-
-
-def rank_imports(source: str | os.PathLike | None, model: str | None) -> list[str]:
-    """What a rank of the model at `source` imports to build its skeleton, for the server to
-    preload: transformers, and the model type's modeling module (a name that does not exist
-    is skipped there), for a transformers model; nothing for tpviz's own Llama, and not a user
-    factory's module (its import could start threads or CUDA). Read from config.json without
-    importing torch; [] when it cannot tell (the load reports what is wrong with the source)."""
-    if source is None:
-        return []
-    path = Path(source)
-    try:
-        config = read_json((path if path.is_dir() else path.parent) / "config.json", "config")
-    except (OSError, ValueError):
-        return []
-    family = model_family(config, model) if isinstance(config, dict) else None
-    if family not in ("hf", "hf-remote-code"):
-        return []
-    model_type = str(config.get("model_type") or "").replace("-", "_")
-    if family == "hf-remote-code" or not model_type.isidentifier():
-        return ["transformers"]  # remote code's own modules come from the checkpoint
-    return ["transformers", f"transformers.models.{model_type}.modeling_{model_type}"]
-
-
-def start_server(preload: Sequence[str] = ()) -> mp.context.BaseContext:
-    """Start the forkserver ranks are forked from (once per process, or again after
-    `stop_server`; at once, so that its imports overlap the caller's own work), preloading
-    `preload` too (see `rank_imports`), and return its context."""
-    global _server_started
-    ctx = mp.get_context("forkserver")
-    with _server_lock:
-        if _server_started:
-            return ctx
-        ctx.set_forkserver_preload([*PRELOAD, *preload])
-        # the server's socket (a path of at most ~107 bytes, so nothing is nested deeper) and
-        # its own temp files (torch's inductor cache dir) go in this process's temp dir
-        path = private_temp_dir()
-        with _environ({**_missing_defaults(), "TMPDIR": path}):
-            forkserver.ensure_running()  # the server takes this process's environment now
-        _server_started = True
-    return ctx
-
-
-def private_temp_dir() -> str:
-    """This process's temp dir: multiprocessing's, which it removes at exit, locked like a
-    workdir so that the next launcher removes it if this process was killed."""
-    global _temp_dir_lock
-    path = mp_util.get_temp_dir()
-    with _temp_dir_guard:
-        if _temp_dir_lock is None:  # locked once: a second flock of ours would wait on the first
-            _temp_dir_lock = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(_temp_dir_lock, fcntl.LOCK_EX)  # held for as long as this process lives
-    return path
-
-
-def stop_server() -> None:
-    """End the forkserver now, even a stopped or stuck one (SIGKILL), so that a rank start
-    waiting on it returns; the next `start_server` starts a fresh one. The server's pid and
-    `_stop` (which reaps it and removes its socket) are multiprocessing's own, unexported."""
-    global _server_started
-    with _server_lock:
-        server = forkserver._forkserver
-        pid = server._forkserver_pid
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            server._stop()
-        _server_started = False
-
-
-def _missing_defaults() -> dict[str, str]:
-    """`RANK_ENVIRON`'s defaults that this process's environment has no value for."""
-    return {name: value for name, value in RANK_ENVIRON.items() if name not in os.environ}
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """This process's environment with `values` set, restored afterwards (what
-    `unittest.mock.patch.dict` does, whose import costs the CLI's start about 60 ms)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
 
 
 class Listener(Protocol):
@@ -232,7 +86,7 @@ class Ranks:
         that), and the pump checks the job meanwhile."""
         ctx = start_server(preload)
         payload = pickle.dumps(spec)
-        environ = {**os.environ, **_missing_defaults()}  # now, not when the server started
+        environ = {**os.environ, **missing_defaults()}  # now, not when the server started
 
         def start_rank(rank: int) -> None:
             parent_end, child_end = ctx.Pipe(duplex=True)
@@ -369,11 +223,9 @@ def _pump(ranks: Ranks) -> None:
 def _pump_once(ranks: Ranks) -> bool:
     """Hand what is ready to the listener; False once the listener is gone (collected)."""
     ranks.adopt_forked()
-    conns = ranks.conns
-    ready = wait(conns + [p.sentinel for p in ranks.procs], timeout=0.1)
-    # Taken after the wait: a message ready now was sent before a later switch of listener
-    # (`listen` happens before the next job's reload is sent), and one message is read per
-    # pipe of a live rank, so each goes to the job it belongs to.
+    ready = wait(ranks.conns + [p.sentinel for p in ranks.procs], timeout=0.1)
+    # Taken after the wait: what is ready now was sent before any later switch of listener
+    # (`listen` precedes the next reload), and a live rank's pipe yields one message per tick.
     listener = ranks.listener()
     if listener is None:
         return False
@@ -381,7 +233,7 @@ def _pump_once(ranks: Ranks) -> bool:
     # sends before it exits, so all it sent is in its pipe now and is read first. (A rank
     # that reports its error and exits at once fails the job with that error, not "died".)
     exited = {rank: p.exitcode for rank, p in enumerate(ranks.procs) if p.exitcode is not None}
-    for rank, conn in enumerate(conns):
+    for rank, conn in enumerate(ranks.conns):
         if conn in ready or rank in exited:
             listener._heard(rank)  # a readable pipe is a live (or ended) rank
             for message in _received(conn, drain=rank in exited):
