@@ -16,6 +16,7 @@ _EXPORTS = {
     "ResolvedPlan": "tpviz.plan",
     "PlanError": "tpviz.plan",
     "suggest_plan": "tpviz.suggest",
+    "simulate_plan": "tpviz.suggest",
     "make_checkpoint": "tpviz.models.demo",
     "demo_checkpoint": "tpviz.models.demo",
     "launch": "tpviz.launcher",

@@ -179,11 +179,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError("--check proves a suggested plan: use it with --suggest")
     plan = _resolve(args)
     _emit(args, plan.to_dict(), plan_table(plan, full=args.full))
-    if not plan.errors:
+    if plan.errors:
+        # stdout keeps every error (table or JSON); stderr gets the contract's one line
+        print(f"tpviz plan: {first_line(PlanError(plan.errors))}", file=sys.stderr)
+        return INVALID_INPUT
+    if not args.simulate:
         return 0
-    # stdout keeps every error (table or JSON); stderr gets the contract's one line
-    print(f"tpviz plan: {first_line(PlanError(plan.errors))}", file=sys.stderr)
-    return INVALID_INPUT
+    from .suggest import simulate_plan
+
+    simulation = simulate_plan(plan)
+    print(simulation.line(), file=sys.stderr)
+    return 0 if simulation.ok else FAILURE
 
 
 def _launch_kwargs(args: argparse.Namespace) -> dict[str, Any]:

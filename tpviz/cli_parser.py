@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --suggest: load it on --world-size real ranks and compare logits with a "
         "single-process model (exit 0 only if they match)",
     )
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="run the plan on simulated ranks (a 2-layer float32 instance, in this process) and "
+        "compare logits with the whole model, before any rank starts (exit 0 only if they match)",
+    )
 
     p = sub.add_parser("load", help="load a checkpoint on local ranks")
     p.add_argument("source", help=SOURCE_HELP)

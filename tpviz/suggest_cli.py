@@ -23,6 +23,8 @@ FAILURE = 1
 def cmd_suggest(args: argparse.Namespace) -> int:
     if args.plan:
         raise ValueError("--suggest proposes its own plan: drop --plan (or drop --suggest)")
+    if args.simulate:
+        raise ValueError("--suggest proves its plan on simulated ranks already: drop --simulate")
     suggestion = suggest_plan(args.source, args.world_size, model=args.model, dtype=args.dtype)
     plan = suggestion.resolved
     if plan.errors:

@@ -24,7 +24,7 @@ from torch import nn
 from .. import styles
 from .issues import Issues
 from .patterns import CompiledPlan, PlanKey
-from .types import TensorPlan
+from .types import ResolvedPlan, TensorPlan
 
 LAYOUTS = ("tp", "ep")
 TP_MODULE = "moe_tp_experts"
@@ -246,3 +246,14 @@ def _check_intermediate_cuts(module: nn.Module, placed: list[TensorPlan], errors
                 f"plan places it {e.placement} ({e.style}). Leave the experts out of the plan "
                 "(tpviz derives their keys) or use --experts ep",
             )
+
+
+def local_experts(plan: ResolvedPlan, rank: int) -> dict[str, tuple[int, int]]:
+    """Experts module -> (its first expert, how many) that `rank` holds whole, read from the
+    plan's expert-parallel tensors."""
+    out: dict[str, tuple[int, int]] = {}
+    for e in plan.params:
+        if e.style == EP_TENSOR and e.module not in out:
+            shard = e.ranks[rank]
+            out[e.module] = (shard.blocks[0].offset[0] if shard.blocks else 0, shard.shape[0])
+    return out

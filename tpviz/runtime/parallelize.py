@@ -10,8 +10,6 @@ module's forward is an ordinary matmul on the rank's own blocks."""
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,8 +19,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..checkpoint import dtype_name
 from ..plan import ResolvedPlan, TensorPlan
-from ..plan.experts import EP_TENSOR
+from ..plan.experts import local_experts
 from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward
+from ..styles.expert_parallel import route_to_local_experts
 
 
 def forward_of(plan: ResolvedPlan, module: str) -> Forward | None:
@@ -74,45 +73,6 @@ def _sum_output(module: nn.Module, inputs: tuple, output: torch.Tensor, mesh: De
     return output
 
 
-def local_experts(plan: ResolvedPlan, rank: int) -> dict[str, tuple[int, int]]:
-    """Experts module -> (its first expert, how many) that `rank` holds whole, read from the
-    plan's expert-parallel tensors."""
-    out: dict[str, tuple[int, int]] = {}
-    for e in plan.params:
-        if e.style == EP_TENSOR and e.module not in out:
-            shard = e.ranks[rank]
-            out[e.module] = (shard.blocks[0].offset[0] if shard.blocks else 0, shard.shape[0])
-    return out
-
-
-def _install_routing(module: nn.Module, first: int, count: int) -> None:
-    """An experts module made to run only this rank's experts `first`..`first + count`.
-
-    Every rank gets the whole batch and the replicated router's choice (global expert ids);
-    the pre-hook makes them local ids, and a route to another rank's expert gets the id
-    `count` with weight 0: transformers' expert-parallel convention, whose experts kernels skip
-    that id when the module is marked expert-parallel (`num_experts` = its local count,
-    `_is_expert_parallel`). Each token's output is then this rank's term of the sum over all
-    experts, which the all-reduce after the module completes: exact, with no tokens moved."""
-    if hasattr(module, "num_experts"):
-        module.num_experts = count
-    if hasattr(module, "_is_expert_parallel"):
-        module._is_expert_parallel = True
-    # (hidden_states, expert ids, routing weights), passed by position or by name
-    signature = inspect.signature(module.forward)
-    _, ids_arg, weights_arg = list(signature.parameters)[:3]
-
-    def route(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        bound = signature.bind(*args, **kwargs)
-        local = bound.arguments[ids_arg] - first
-        elsewhere = (local < 0) | (local >= count)
-        bound.arguments[ids_arg] = torch.where(elsewhere, count, local)
-        bound.arguments[weights_arg] = bound.arguments[weights_arg].masked_fill(elsewhere, 0)
-        return bound.args, bound.kwargs
-
-    module.register_forward_pre_hook(route, with_kwargs=True)
-
-
 def _add_once(module: nn.Module, biases: list[str]) -> None:
     """Biases every rank holds whole, in a module whose ranks each compute one term of a sum
     (experts cut by TP add `down_proj_bias` to their partial outputs): on this rank (not rank
@@ -145,7 +105,7 @@ def _install_partial_hooks(
     experts under expert parallelism (`experts`: this rank's first and count) see their routes
     remapped first; replicated `biases` are added by rank 0 only."""
     if forward.input == ROUTED and experts is not None:  # the plan checks it has experts
-        _install_routing(module, *experts)
+        route_to_local_experts(module, *experts)
     if forward.input == PARTIAL:
         module.register_forward_pre_hook(lambda mod, inputs: _split_input(mod, inputs, mesh))
     if forward.compute == PARTIAL and biases and mesh.get_local_rank() != 0:

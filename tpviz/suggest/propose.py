@@ -12,8 +12,8 @@ The candidates, in forward order, each a unit with styles to try in turn:
 
 A unit's styles are tried on top of the units already kept: resolved for the source (so head
 alignment, per-head parameters and tied tensors are checked as for any plan) and for a small
-random instance of the model (its config with at most CHECK_LAYERS layers), which then runs on
-simulated ranks (simulate.py) against itself run whole. The first that resolves without
+random instance of the model (its config with at most prove.CHECK_LAYERS layers), which runs on
+simulated ranks (simulate.py, prove.py) against itself run whole. The first that resolves without
 errors and matches is kept; a unit none of whose styles does stays replicated, with the
 reasons. Modules sharing a tensor (a tied embedding and head) are one unit.
 """
@@ -27,23 +27,19 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
-from ..format import first_line
-from ..models import build_skeleton, get_adapter, prompt_ids, read_config
 from ..plan import ResolvedPlan, resolve_plan
 from ..plan.experts import EXPERT_STYLES
 from ..styles import EMBEDDING, module_kind
 from .dataflow import trace
-from .simulate import run_ranks
+from .prove import Proof
 
 PAIR_STYLES = (
     ("colwise", "rowwise"),
     ("packed_colwise", "rowwise"),
     ("colwise_gather_output", "rowwise_split_input"),
 )
-TOLERANCE = 1e-4  # relative to the largest logit; the instance runs in float32
 
 
 @dataclass
@@ -110,20 +106,16 @@ def suggest_plan(
     """Suggest a TP plan for the model at `source` (a checkpoint or config.json directory)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size must be a positive integer, got {world_size!r}")
-    instance, run = _instance(read_config(source), model, source)
-    with torch.inference_mode():
-        reference = run(instance)
-    proof = _Proof(
-        instance,
-        run,
-        reference,
-        TOLERANCE * max(1.0, reference.abs().max().item()),
+    proof = Proof.of(
+        source,
         world_size,
+        model,
         lambda patterns: resolve_plan(source, world_size, patterns, dtype=dtype, model=model),
     )
+    instance = proof.instance
     kept: dict[str, str] = {}
     decisions, diff = [], 0.0
-    for unit in _units(instance, run):
+    for unit in _units(instance, proof.run):
         kind = "+".join(dict.fromkeys(kind for kind, _, _ in unit))
         decision = Decision(kind, [n for _, cols, rows in unit for n in cols + rows], {})
         for styles in _style_sets(unit):
@@ -140,36 +132,6 @@ def suggest_plan(
     # the plan as resolved: the kept keys and those the experts layout derived (experts cut)
     plan = dict(resolved.patterns)
     return Suggestion(plan, resolved, decisions, _layers_prefix(instance), diff, proof.tolerance)
-
-
-@dataclass
-class _Proof:
-    """Checks a candidate plan: it resolves for the source (`resolve`) without errors, and
-    its simulated ranks reproduce the instance's `reference` logits."""
-
-    instance: nn.Module
-    run: Callable[[nn.Module], torch.Tensor]
-    reference: torch.Tensor
-    tolerance: float
-    world_size: int
-    resolve: Callable[[dict[str, str]], ResolvedPlan]  # for the source itself
-
-    def check(self, patterns: dict[str, str]) -> tuple[str | None, float]:
-        """(None, max |diff|) when proven; else (the reason, nan)."""
-        for plan in (
-            self.resolve(patterns),
-            resolve_plan(self.instance, self.world_size, patterns),
-        ):
-            if plan.errors:
-                return f"{plan.errors[0].code}: {plan.errors[0].message}", float("nan")
-        try:
-            outs = run_ranks(self.instance, plan, self.run)
-        except Exception as e:  # noqa: BLE001 - the module code failing on a rank's tensors
-            return f"a rank's forward fails ({type(e).__name__}: {first_line(e)})", float("nan")
-        diff = max((o - self.reference).abs().max().item() for o in outs)
-        if not diff <= self.tolerance:
-            return f"the ranks' logits differ from the whole model's by {diff:.3g}", diff
-        return None, diff
 
 
 Unit = list[tuple[str, list[str], list[str]]]  # parts: (kind, cols, rows), all tried together
@@ -252,47 +214,3 @@ def _layers_prefix(model: nn.Module) -> str:
         return ""
     name, _ = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
     return f"{name}."
-
-
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-CHECK_LAYERS = 2  # layers of the checking instance: enough for one layer to feed the next
-MAX_INSTANCE_BYTES = 2 << 30
-
-
-def _instance(
-    config: dict[str, Any], model: str | None, source: str | os.PathLike
-) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
-    """A real float32 instance of the model with at most CHECK_LAYERS layers, random weights
-    (constant ones, such as norms, made distinct), and the forward of the fixed prompt."""
-    small = _fewer_layers(config)
-    adapter = get_adapter(small, model, source)
-    size = sum(p.numel() * 4 for p in build_skeleton(adapter, small).parameters())
-    if size > MAX_INSTANCE_BYTES:
-        raise ValueError(
-            f"{source}: a {CHECK_LAYERS}-layer float32 instance of this model takes "
-            f"{size / 2**30:.1f} GiB, more than the {MAX_INSTANCE_BYTES >> 30} GiB a suggestion "
-            "checks in one process; suggest on a config with smaller dims (same architecture), "
-            "then resolve that plan for the full model"
-        )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        instance = build_skeleton(adapter, small, device="cpu").float()
-        with torch.no_grad():
-            for p in instance.parameters():
-                if p.numel() > 1 and bool((p == p.flatten()[0]).all()):
-                    p.add_(torch.randn_like(p) * 0.1)
-    ids = prompt_ids(adapter, small)
-    return instance, lambda m: adapter.logits(m, ids).float()
-
-
-def _fewer_layers(config: dict[str, Any]) -> dict[str, Any]:
-    """The config with at most CHECK_LAYERS layers (per-layer lists cut to match)."""
-    out = dict(config)
-    for key in LAYER_KEYS:
-        layers = out.get(key)
-        if isinstance(layers, int) and layers > CHECK_LAYERS:
-            out[key] = CHECK_LAYERS
-            for k, v in config.items():
-                if isinstance(v, list) and len(v) == layers:
-                    out[k] = v[:CHECK_LAYERS]
-    return out

@@ -4,7 +4,8 @@ Each rank gets a copy of a real (small, random) instance holding only its blocks
 tensor, exactly as the plan's `ranks` say, and the collectives of each module's style
 (`forward` of tpviz.styles) happen between the threads: a rowwise output summed over the
 ranks with its bias added once, a gathered output concatenated, a split input cut to the
-rank's columns, an embedding looked up in the rank's rows only. The module code itself runs
+rank's columns, an embedding looked up in the rank's rows only, an experts module's routes
+remapped to the rank's own experts and its partial outputs summed. The module code itself runs
 unchanged on local tensors, as on real ranks: forward code that reshapes by a head-count
 attribute, or normalises over features the plan cut, fails or differs here as it would there.
 """
@@ -14,13 +15,17 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
+from threading import BrokenBarrierError
 
 import torch
 from torch import nn
 
 from ..chunks import Block
+from ..format import first_line
 from ..plan import ResolvedPlan, TensorPlan
+from ..plan.experts import local_experts
 from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward
+from ..styles.expert_parallel import route_to_local_experts
 
 BARRIER_SECONDS = 60.0  # liveness bound: a rank that never reaches a collective fails the run
 
@@ -98,13 +103,19 @@ def _install(module: nn.Module, style_name: str, weight: TensorPlan, rank: int, 
 
 
 def _install_partial(
-    module: nn.Module, forward: Forward, biases: list[str], rank: int, c: _Collective
+    module: nn.Module,
+    forward: Forward,
+    experts: tuple[int, int] | None,
+    biases: list[str],
+    rank: int,
+    c: _Collective,
 ) -> None:
-    """Hooks of a module that computes one term of a sum on each rank (experts cut by TP):
-    a replicated input divided over the ranks, replicated biases added by rank 0 alone, the
+    """Hooks of a module that computes one term of a sum on each rank (experts cut by TP, or
+    whole experts per rank): routes remapped to the rank's own `experts` (first, count), a
+    replicated input divided over the ranks, replicated biases added by rank 0 alone, the
     terms summed."""
-    if forward.input == ROUTED:
-        raise ValueError("simulated ranks run experts cut by TP, not expert parallelism")
+    if forward.input == ROUTED and experts is not None:
+        route_to_local_experts(module, *experts)
     if forward.input == PARTIAL:
         world = len(c.slots)
         module.register_forward_pre_hook(lambda m, a: (a[0] / world, *a[1:]))
@@ -119,11 +130,12 @@ def run_ranks(
     model: nn.Module, plan: ResolvedPlan, run: Callable[[nn.Module], torch.Tensor]
 ) -> list[torch.Tensor]:
     """`run` on every simulated rank of `plan` (resolved against `model`); each rank's result.
-    Raises the first rank's error."""
+    Raises RankForwardError for the rank that failed first."""
     collective = _Collective(plan.world_size)
     copies = []
     for rank in range(plan.world_size):
         local = _rank_copy(model, plan, rank)
+        experts = local_experts(plan, rank)
         for mod_name, style_name in plan.module_styles.items():
             forward = STYLES[style_name].forward
             module = local.get_submodule(mod_name)
@@ -132,7 +144,7 @@ def run_ranks(
                 _install(module, style_name, weight, rank, collective)
             elif forward is not None:
                 biases = plan.replicated_biases(mod_name)
-                _install_partial(module, forward, biases, rank, collective)
+                _install_partial(module, forward, experts.get(mod_name), biases, rank, collective)
         copies.append(local)
     results: list[torch.Tensor | None] = [None] * plan.world_size
     errors: list[BaseException | None] = [None] * plan.world_size
@@ -150,7 +162,32 @@ def run_ranks(
         t.start()
     for t in threads:
         t.join()
-    first = next((e for e in errors if e and not isinstance(e, threading.BrokenBarrierError)), None)
-    if first or any(errors):
-        raise first or next(e for e in errors if e)
+    failed = [r for r, e in enumerate(errors) if e is not None]
+    if failed:
+        # the rank that failed first, not one its abort stopped at a collective
+        rank = next((r for r in failed if not isinstance(errors[r], BrokenBarrierError)), failed[0])
+        raise RankForwardError(rank, _failing_module(errors[rank], copies[rank]), errors[rank])
     return results
+
+
+class RankForwardError(RuntimeError):
+    """A simulated rank's forward failed; `module` is the innermost module it was running."""
+
+    def __init__(self, rank: int, module: str | None, error: BaseException):
+        where = "" if module is None else f" in {module or 'the top-level module'}"
+        super().__init__(
+            f"rank {rank}'s forward fails{where} ({type(error).__name__}: {first_line(error)})"
+        )
+        self.rank, self.module = rank, module
+
+
+def _failing_module(error: BaseException, model: nn.Module) -> str | None:
+    """The innermost of `model`'s modules whose code was running when `error` was raised,
+    read from the traceback (its frames' `self`); None when none was."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        found = names.get(id(owner), found)
+        tb = tb.tb_next
+    return found
