@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +184,42 @@ def test_a_transformers_model_leaves_no_torch_cache_dir_in_tmpdir(tiny, tmp_path
     )
     assert done.returncode == 0, done.stderr
     assert not list(tmpdir.iterdir())
+
+
+@pytest.mark.slow
+def test_a_command_failing_before_its_ranks_start_leaves_no_server_and_nothing(tiny, tmp_path):
+    """The rank server (started as the CLI starts, importing transformers for this model) is
+    ended with the CLI: still importing, it would outlive it and make its torch cache dir
+    again in the CLI's temp dir after that was removed."""
+    source = tmp_path / "too-deep"
+    source.mkdir()
+    config = json.loads((tiny / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 100_000}))
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tpviz", "load", str(source), "--model", "hf"],
+        capture_output=True,
+        text=True,
+        timeout=BOUND * 2,
+        env={**env, "TMPDIR": str(tmpdir)},
+        cwd=REPO,
+    )
+    assert done.returncode == 2 and "num_hidden_layers" in done.stderr, done.stderr
+    assert _processes_started_in(tmpdir) == []  # the server included: its TMPDIR is below
+    assert not list(tmpdir.iterdir())
+
+
+def _processes_started_in(tmpdir) -> list[int]:
+    """Live processes whose environment puts $TMPDIR at or below `tmpdir`."""
+    prefix = f"TMPDIR={tmpdir}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # ended meanwhile, or not ours
+            continue
+        if any(entry.startswith(prefix) for entry in environ):
+            found.append(int(pid))
+    return found

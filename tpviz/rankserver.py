@@ -21,6 +21,7 @@ lock is free: the owner was killed with SIGKILL) and remove it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import multiprocessing as mp
@@ -116,6 +117,11 @@ def start_server(preload: Sequence[str] = ()) -> mp.context.BaseContext:
         with _environ({**missing_defaults(), "TMPDIR": path}):
             forkserver.ensure_running()  # the server takes this process's environment now
         _server_started = True
+        # Ended at exit before that temp dir is removed (atexit runs the latest first, and
+        # multiprocessing registered its own removal at import): a server still importing
+        # when a command fails early would make its cache dir there again, and outlive us.
+        atexit.unregister(stop_server)
+        atexit.register(stop_server)
     return ctx
 
 
