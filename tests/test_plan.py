@@ -195,6 +195,30 @@ def test_pattern_that_matches_nothing_is_a_warning():
     assert not plan.errors
 
 
+def test_a_default_plans_keys_for_other_variants_are_not_warned_about(tmp_path):
+    """transformers writes one plan for every variant of an architecture: Qwen2-MoE's names
+    the dense MLP that a model whose every layer is sparse lacks. Given by the user, the same
+    keys are warned about."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(
+        "qwen2_moe",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        moe_intermediate_size=32,
+        vocab_size=256,
+    )
+    config.save_pretrained(tmp_path)  # config.json alone: plans need no weights
+    default = tpviz.resolve_plan(tmp_path, 2)
+    assert default.errors == [] and "model.layers.*.mlp.gate_proj" in default.patterns
+    assert not [w for w in default.warnings if w.code == "unmatched_pattern"]
+    given = tpviz.resolve_plan(tmp_path, 2, default.patterns)
+    unmatched = {w.name for w in given.warnings if w.code == "unmatched_pattern"}
+    assert "model.layers.*.mlp.gate_proj" in unmatched
+
+
 def test_base_model_and_full_model_keys_both_match(tiny):
     base = resolve_plan(tiny, 2, {"layers.*.mlp.up_proj": "colwise"})
     full = resolve_plan(tiny, 2, {"model.layers.*.mlp.up_proj": "colwise"})

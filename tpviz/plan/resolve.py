@@ -166,10 +166,12 @@ def _resolve_source(
     else:
         found = read_source(source, model, checkpoint if checkpoint is not None else source)
     patterns = load_plan_patterns(plan)
-    if patterns is None:
+    given = patterns is not None
+    if not given:
         patterns = found.adapter.default_plan(found.skeleton)
     target = _target_dtype(dtype, found.config, found.ckpt)
-    return _resolve(found, world_size, patterns, target, kv_replication, experts), found
+    resolved = _resolve(found, world_size, patterns, target, kv_replication, experts, given)
+    return resolved, found
 
 
 @contextlib.contextmanager
@@ -214,7 +216,13 @@ def _resolve(
     target: torch.dtype,
     kv_replication: bool,
     experts: str,
+    given: bool,
 ) -> ResolvedPlan:
+    """`patterns` resolved against the model; `given`: a plan the caller chose, whose keys
+    that match nothing are warned about. A model's default plan is written for every variant
+    of its architecture (transformers' `base_model_tp_plan`): its keys for modules this
+    variant lacks (the dense MLP of an all-sparse MoE, the q_proj of a low-rank query) are no
+    mistake of the caller's."""
     _check_world_size_fits(found.skeleton, world_size)
     issues = PlanIssues()
     moes = find_experts(found.skeleton, patterns, expert_count(found.config))
@@ -230,7 +238,8 @@ def _resolve(
     for mod_name, module in found.skeleton.named_modules():
         walk.visit(mod_name, module)
     report_unsupported(walk.unsupported, issues.errors)
-    report_unmatched(compiled, issues.warnings)
+    if given:
+        report_unmatched(compiled, issues.warnings)
     counts = found.adapter.head_counts(found.config)
     kv_groups = check_heads(
         found.skeleton, counts, walk.entries, walk.module_styles, world_size, issues, kv_replication
