@@ -112,3 +112,15 @@ def test_a_plan_resolved_from_a_module_is_refused():
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="checkpoint or config directory"):
         tpviz.simulate_plan(tpviz.resolve_plan(model, 2, {}))
+
+
+def test_a_config_whose_own_forward_fails_is_named_as_the_cause(tmp_path, capsys):
+    # more experts per token than experts: the model itself cannot run, whatever the plan
+    config = transformers.AutoConfig.for_model(
+        "mixtral", **TINY_DIMS, pad_token_id=0, num_local_experts=2, num_experts_per_tok=4
+    )
+    config.save_pretrained(tmp_path)
+    assert cli.main(["plan", str(tmp_path), "--simulate"]) == 2
+    err = capsys.readouterr().err
+    assert "the whole model's forward fails" in err and "check the config" in err
+    assert len(err.strip().splitlines()) == 1

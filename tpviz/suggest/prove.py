@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..format import first_line
 from ..models import build_skeleton, get_adapter, prompt_ids, read_config
 from ..plan import ResolvedPlan, resolve_plan
 from .simulate import RankForwardError, run_ranks
@@ -77,8 +78,15 @@ class Proof:
     ) -> Proof:
         """The proof for the model at `source`: its instance, and the instance's logits."""
         instance, run = _instance(read_config(source), model, source)
-        with torch.inference_mode():
-            reference = run(instance)
+        try:
+            with torch.inference_mode():
+                reference = run(instance)
+        except Exception as e:  # noqa: BLE001 - the model's own code, on its own config
+            raise ValueError(
+                f"{source}: the whole model's forward fails on a {CHECK_LAYERS}-layer instance "
+                f"built from its config.json ({type(e).__name__}: {first_line(e)}); no plan "
+                "can be proven against it: check the config"
+            ) from e
         tolerance = TOLERANCE * max(1.0, reference.abs().max().item())
         return cls(instance, run, reference, tolerance, world_size, resolve, **layout)
 
