@@ -58,13 +58,18 @@ def test_load_sharded_under_torchrun_writes_each_ranks_events(tmp_path, tiny):
         assert done.result["param_bytes"] == done.result["planned_bytes"]
 
 
-def test_a_rank_that_cannot_read_its_source_while_rank_0_resolves_still_loads(tmp_path, tiny):
-    # rank 1 reads its source while rank 0 resolves; a failure there must not keep it from
-    # the plan's broadcast (rank 0 would wait for the timeout): it loads from the plan's source
-    run = _torchrun_load(tmp_path, str(tiny), str(tmp_path / "events"), str(tmp_path / "gone"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    output = json.loads(run.stdout.strip().splitlines()[-1])
-    assert output["result"]["plan_matches_shards"] and output["logits_shape"] == [1, 4, 1000]
+def test_a_rank_given_another_source_fails_them_all_instead_of_loading_rank_0s(
+    tmp_path, tiny, tiny_tied
+):
+    """Every rank reads the plan's source: a rank given another one (another valid model, or
+    one it cannot read while rank 0 resolves) would load rank 0's model without a word. Each
+    still reaches the plan's broadcast (rank 0 would wait there until the timeout), and then
+    every rank fails with the same line naming both sources."""
+    for other in (tiny_tied, tmp_path / "gone"):
+        run = _torchrun_load(tmp_path, str(tiny), str(tmp_path / "events"), str(other))
+        assert run.returncode != 0
+        assert f"rank 1: asked for source {other} (rank 0: {tiny})" in run.stderr, run.stderr
+        assert "every rank must ask for the same load" in run.stderr
 
 
 def test_a_rank_asked_for_another_load_or_to_write_into_the_checkpoint_fails_them_all(

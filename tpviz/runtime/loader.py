@@ -22,6 +22,7 @@ from ..events import Done, Phase, RankPhase
 from ..models import ModelAdapter, get_adapter, prompt_ids, read_config
 from ..outputs import OutputPathError, check_output_dir
 from ..plan import ResolvedPlan, resolve_plan
+from ..plan.patterns import load_plan_patterns
 from ..plan.resolve import SourceModel, read_source, resolve_and_keep
 from ..profiling import PHASE_PREFIX, rank_profiler
 from ..results import RankResult
@@ -266,7 +267,7 @@ def load_sharded(
     choices = dict(dtype=dtype, model=model, kv_replication=kv_replication, experts=experts)
     options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
     resolved, found = _resolve_on_rank0(source, plan, choices, options)
-    events_dir = _agree(resolved, options, events_dir)
+    events_dir = _agree(resolved, options, events_dir, dict(source=source, plan=plan, **choices))
     sink = EventSink(dist.get_rank(), events_dir=events_dir)
     try:
         return load_in_group(resolved, options, sink, local, found)
@@ -305,33 +306,58 @@ def _resolve_on_rank0(
 
 
 def _agree(
-    plan: ResolvedPlan, options: LoadOptions, events_dir: str | os.PathLike | None
+    plan: ResolvedPlan,
+    options: LoadOptions,
+    events_dir: str | os.PathLike | None,
+    request: dict[str, Any],
 ) -> str | None:
     """Check, on every rank and before anything is loaded, what each rank was asked: outputs
-    outside the checkpoint (tpviz never writes there) and the same load as rank 0's (a rank
-    running another strategy would wait in collectives its peers never enter). One rank's
-    problem fails them all, with the same error. Returns the events dir, made absolute."""
-    problem = None
+    outside the checkpoint (tpviz never writes there) and the same load as rank 0's: the
+    same source, plan and choices (every rank reads the plan's source: one given another
+    would get rank 0's model without a word) and strategy (a rank running another would wait
+    in collectives its peers never enter). One rank's problem fails them all, with the same
+    error. Returns the events dir, made absolute."""
+    problem, mine = None, None
     try:
         if events_dir:
             events_dir = check_output_dir(events_dir, "events dir", plan.source)
         if options.profile_dir:
             options.profile_dir = check_output_dir(options.profile_dir, "profile dir", plan.source)
-    except OutputPathError as e:
+        load = dict(strategy=options.strategy, init=options.init, seed=options.seed)
+        mine = {**load, **_comparable(request)}
+    except (OutputPathError, ValueError, OSError) as e:
         problem = str(e)
-    asked = [(options.strategy, options.init, options.seed)]
+    asked = [mine]
     dist.broadcast_object_list(asked, src=0)
-    if problem is None and asked[0] != (options.strategy, options.init, options.seed):
-        problem = (
-            f"asked for strategy {options.strategy}, init {options.init}, seed {options.seed}; "
-            f"rank 0 for {', '.join(map(str, asked[0]))}: every rank must ask for the same load"
-        )
+    if problem is None and asked[0] is not None:
+        problem = _differences(mine, asked[0])
     problems: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     for rank, found in enumerate(problems):
         if found:
             raise ValueError(f"rank {rank}: {found}")
     return events_dir
+
+
+def _comparable(request: dict[str, Any]) -> dict[str, Any]:
+    """A rank's arguments as the ranks compare them: its source as a real path, and its plan
+    as the keys it holds (a file is read here, on this rank)."""
+    plan = request["plan"]
+    keys = plan.patterns if isinstance(plan, ResolvedPlan) else load_plan_patterns(plan)
+    return {**request, "source": os.path.realpath(request["source"]), "plan": keys}
+
+
+def _differences(mine: dict[str, Any], rank0: dict[str, Any]) -> str | None:
+    """What this rank asked for that rank 0 did not, in one line; None if nothing."""
+    differ = [name for name in mine if mine[name] != rank0.get(name)]
+    if not differ:
+        return None
+
+    def shown(value: Any) -> str:
+        return f"{len(value)} plan keys" if isinstance(value, dict) else str(value)
+
+    asked = ", ".join(f"{n} {shown(mine[n])} (rank 0: {shown(rank0.get(n))})" for n in differ)
+    return f"asked for {asked}: every rank must ask for the same load"
 
 
 def _read_while_waiting(
