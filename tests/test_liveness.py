@@ -212,3 +212,56 @@ def test_a_rank_that_exits_right_after_reporting_is_judged_after_its_report():
         assert listener.judged == ["progress", "error"]
     finally:
         ranks.close()
+
+
+def _send_a_large_reply(conn, sent_marker: str) -> None:
+    conn.send_bytes(b"\0" * (8 << 20))  # far more than a socket buffer: blocks until read
+    with open(sent_marker, "w"):
+        pass
+
+
+def test_a_rank_sending_a_large_reply_at_close_can_still_exit_in_its_grace(tmp_path):
+    """A job stopped while a rank sends a large reply (a forward's logits under --verify):
+    the rank exits by itself once it has sent, so the closing pump must keep reading its pipe
+    during the grace; otherwise it blocks until the grace ends and is terminated (11 s to
+    stop a CLI on Ctrl-C)."""
+    marker = tmp_path / "sent"
+    ctx = mp.get_context("fork")  # the child only writes to its pipe and a file
+    parent_end, child_end = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_send_a_large_reply, args=(child_end, str(marker)), daemon=True)
+    proc.start()
+    child_end.close()
+    ranks = Ranks()
+    ranks.procs.append(proc)
+    ranks.conns.append(parent_end)
+    ranks.grace = BOUND
+    ranks.close()  # the pump's own close, with the grace a shutdown gives
+    assert marker.exists()  # it finished sending and exited, rather than being terminated
+
+
+def _wait_for_term(ready, ended_marker: str) -> None:
+    def on_term(signum, frame):
+        with open(ended_marker, "w"):
+            pass
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    ready.set()
+    while True:
+        time.sleep(1)
+
+
+def test_a_stopped_rank_is_resumed_to_act_on_its_terminate(tmp_path):
+    """A rank frozen by SIGSTOP cannot act on SIGTERM: it is resumed with it, so it ends at
+    once instead of after the kill's grace (3 s more on every frozen-rank error)."""
+    marker = tmp_path / "ended"
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_wait_for_term, args=(ready, str(marker)), daemon=True)
+    proc.start()
+    assert ready.wait(BOUND)
+    os.kill(proc.pid, signal.SIGSTOP)
+    ranks = Ranks()
+    ranks.procs.append(proc)
+    ranks.close()
+    assert marker.exists()  # its TERM handler ran: not killed after the grace

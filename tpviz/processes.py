@@ -15,10 +15,12 @@ starts a fresh one.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -160,14 +162,15 @@ class Ranks:
         self.adopt_forked()  # so that they are ended with the rest
 
     def close(self) -> None:
-        """End every rank (a grace, then TERM, then KILL), then release pipes and temp dir."""
+        """End every rank (a grace, in which what they still send is drained, then TERM, then
+        KILL), then release pipes and temp dir."""
         self._end_starter()
-        deadline = time.monotonic() + self.grace
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        self._drain_until_exited(self.grace)
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)  # a stopped rank acts on TERM only once resumed
         deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -186,6 +189,29 @@ class Ranks:
             shutil.rmtree(self.workdir, ignore_errors=True)
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    def _drain_until_exited(self, seconds: float) -> None:
+        """Wait up to `seconds` for the ranks to exit, reading and dropping what they still
+        send: a rank blocked sending a large reply (a forward's logits) into a full pipe
+        that nobody reads any more cannot exit."""
+        deadline = time.monotonic() + seconds
+        conns = list(self.conns)
+        live = [p for p in self.procs if p.is_alive()]
+        while live and (left := deadline - time.monotonic()) > 0:
+            for conn in wait([*conns, *(p.sentinel for p in live)], timeout=left):
+                if conn in conns and not _dropped(conn):
+                    conns.remove(conn)  # its end is closed: nothing more will come
+            live = [p for p in live if p.is_alive()]
+
+
+def _dropped(conn: Connection) -> bool:
+    """Read and drop what a readable pipe holds now; False once the other end is closed.
+    Raw bytes, not messages: a rank stopped halfway through sending one would leave
+    `recv_bytes` waiting for the rest forever."""
+    try:
+        return bool(os.read(conn.fileno(), 1 << 16))
+    except OSError:
+        return False
 
 
 def _start_ranks(ranks: Ranks, world: int, start_rank: Callable[[int], None]) -> None:
