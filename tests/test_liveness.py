@@ -14,10 +14,12 @@ import time
 import pytest
 
 import tpviz
-from tpviz.events import Memory, UnitStart
+from tpviz.events import Memory, Phase, RankPhase, UnitDone, UnitStart
 from tpviz.job import HEARTBEAT_TIMEOUT
+from tpviz.liveness import timeout_message
 from tpviz.plan import resolve_plan
 from tpviz.processes import Ranks, _pump_once
+from tpviz.tracking import ProgressTracker, RankProgress
 
 from .test_failures import children
 
@@ -265,3 +267,21 @@ def test_a_stopped_rank_is_resumed_to_act_on_its_terminate(tmp_path):
     ranks.procs.append(proc)
     ranks.close()
     assert marker.exists()  # its TERM handler ran: not killed after the grace
+
+
+def test_a_timeout_names_each_rank_that_had_not_loaded_and_where_it_was():
+    tracker = ProgressTracker()
+    for event in [
+        Phase(0, 1.0, RankPhase.LOADED),  # done: not named
+        Phase(1, 1.0, RankPhase.LOADING),
+        UnitStart(1, 1.1, "model.embed_tokens", 100, 0, 3),
+        UnitDone(1, 1.2, "model.embed_tokens", 100, 0.1, 0, 3),
+        UnitStart(1, 1.3, "model.layers.0", 100, 1, 3),
+        Phase(2, 1.0, RankPhase.SKELETON),
+    ]:
+        tracker.track(event)
+    tracker.ranks[3] = RankProgress()  # never heard
+    assert timeout_message(5, tracker.ranks) == (
+        "the load did not finish within its timeout (5 s): rank 1 was loading model.layers.0 "
+        "(unit 2 of 3), rank 2 was in skeleton, rank 3 had not started"
+    )

@@ -27,6 +27,7 @@ from .liveness import (
     death_message,
     silence_message,
     straggler_message,
+    timeout_message,
     unforked_message,
 )
 from .messages import CommandName, EventBatch, Reply
@@ -165,8 +166,7 @@ class LoadJob:
             return self._rank_failed(rank, message)
         now = time.monotonic()
         if self._deadline and self.state is JobState.STARTING and now > self._deadline:
-            message = f"the load did not finish within its timeout ({self._timeout:g} s)"
-            return self._fail(LoadError(message))
+            return self._fail(LoadError(timeout_message(self._timeout, self.progress)))
         forked = len(self._procs)
         # a fork takes milliseconds once the server has imported torch (seconds; tens loaded)
         if forked < len(self._last_heard) and now - self._launched > 2 * self.heartbeat_timeout:

@@ -45,6 +45,22 @@ def silence_message(rank: int, silence: float, progress: RankProgress, running: 
     )
 
 
+def timeout_message(timeout: float, ranks: dict[int, RankProgress]) -> str:
+    """The load outlived `timeout`: where each rank that had not loaded was."""
+    behind = [f"rank {r} {_whereabouts(p)}" for r, p in sorted(ranks.items()) if not p.loaded]
+    where = f": {', '.join(behind)}" if behind else ""
+    return f"the load did not finish within its timeout ({timeout:g} s){where}"
+
+
+def _whereabouts(progress: RankProgress) -> str:
+    if progress.phase == RankPhase.LOADING and progress.module:
+        units = f"unit {progress.units_done + 1} of {progress.units_total}"
+        return f"was loading {progress.module} ({units})"
+    if progress.first_heard is None and not progress.phase_times:
+        return "had not started"
+    return f"was in {progress.phase}"
+
+
 def unforked_message(rank: int, seconds: float) -> str:
     """tpviz's rank server (multiprocessing's forkserver) had not forked `rank` `seconds`
     after the launch: it is stopped, stuck or starved."""
