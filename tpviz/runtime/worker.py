@@ -28,7 +28,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout  # it has no publ
 
 from ..events import Error, Phase, RankPhase
 from ..format import first_line
-from ..messages import Command, CommandName, Reply
+from ..messages import Beat, Command, CommandName, Reply
 from .channel import Channel
 from .executor import LoadFailure
 from .loader import ShardedModel, init_group, load_in_group, rank_device
@@ -144,6 +144,8 @@ def _serve(loaded: ShardedModel, channel: Channel) -> WorkerSpec | None:
             channel.send(Reply(command.command_id, True, None))
             return None
         if command.name is CommandName.RELOAD:
+            # heard at once, so the release of this model is the reload's `imports` phase
+            channel.send(Beat())
             return command.args[0]
         reply = _run_command(loaded, command)
         try:
