@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tpviz
-from tpviz.events import UnitStart
+from tpviz.events import LAUNCHER_RANK, Phase, UnitStart
 from tpviz.plan import resolve_plan
 from tpviz.rankserver import start_server
 
@@ -411,3 +411,29 @@ def test_a_rank_that_exits_is_named_with_its_exit(tiny):
         ):
             job.call(exits, 3)
         assert job.state == "failed"
+
+
+@pytest.mark.slow
+def test_a_killed_rank_server_ends_the_job_naming_the_server_not_a_rank(tiny):
+    """multiprocessing reports every rank of a killed forkserver as exited with code 255 while
+    they run on: the job names the server, ends the ranks, and the next launch starts a new
+    server."""
+    plan = resolve_plan(tiny, 2)
+    start_server()
+    server = forkserver._forkserver._forkserver_pid
+    failed = threading.Event()
+
+    def on_event(event):
+        if isinstance(event, Phase) and event.rank == LAUNCHER_RANK and event.name == "failed":
+            failed.set()
+
+    with tpviz.launch(tiny, 2, plan) as job:
+        job.wait(120)  # loaded: the ranks wait for commands
+        job.subscribe(on_event)
+        os.kill(server, signal.SIGKILL)
+        assert failed.wait(PROMPT)
+        assert "rank server (the forkserver) ended while its ranks ran" in str(job.error)
+    assert not psutil.pid_exists(server)  # reaped
+    assert children() == []
+    with tpviz.launch(tiny, 2, plan) as job:
+        assert job.wait(120)["plan_matches_shards"]

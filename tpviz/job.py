@@ -25,6 +25,7 @@ from .events import LAUNCHER_RANK, Done, Error, Event, JobState, Phase
 from .liveness import (
     broken_group_message,
     death_message,
+    server_lost_message,
     silence_message,
     straggler_message,
     timeout_message,
@@ -34,7 +35,7 @@ from .messages import CommandName, EventBatch, Reply
 from .models import vocab_size
 from .plan import ResolvedPlan
 from .processes import Ranks
-from .rankserver import rank_imports
+from .rankserver import rank_imports, server_lost, stop_server
 from .results import LoadResult
 from .runtime.options import LoadOptions, WorkerSpec
 from .token_ids import check_token_ids
@@ -161,6 +162,9 @@ class LoadJob:
             return
         if exited:
             rank = min(exited)
+            if server_lost(self._procs[rank].pid, exited[rank]):
+                stop_server()  # what is left of it: the next launch starts a new one
+                return self._fail(LoadError(server_lost_message()))
             loading = self.state is JobState.STARTING
             message = death_message(rank, exited[rank], self.progress[rank], loading, self._warm)
             return self._rank_failed(rank, message)

@@ -61,6 +61,15 @@ def _whereabouts(progress: RankProgress) -> str:
     return f"was in {progress.phase}"
 
 
+def server_lost_message() -> str:
+    """The rank server ended (killed) while the ranks it forked still ran: their exit
+    status can no longer be told (multiprocessing reports exit code 255)."""
+    return (
+        "tpviz's rank server (the forkserver) ended while its ranks ran, so they could no "
+        "longer be watched; the job was ended, and the next launch starts a new server"
+    )
+
+
 def unforked_message(rank: int, seconds: float) -> str:
     """tpviz's rank server (multiprocessing's forkserver) had not forked `rank` `seconds`
     after the launch: it is stopped, stuck or starved."""

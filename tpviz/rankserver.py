@@ -152,6 +152,18 @@ def stop_server() -> None:
         _server_started = False
 
 
+def server_lost(pid: int, exitcode: int) -> bool:
+    """Whether a rank reported ended (`exitcode`) runs on: its server was killed, and with it
+    the rank's real status (multiprocessing then reports exit code 255)."""
+    if exitcode != 255:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def missing_defaults() -> dict[str, str]:
     """`RANK_ENVIRON`'s defaults that this process's environment has no value for."""
     return {name: value for name, value in RANK_ENVIRON.items() if name not in os.environ}
