@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError
 from ..events import Done, Phase, RankPhase
 from ..models import ModelAdapter, get_adapter, prompt_ids, read_config
-from ..outputs import OutputPathError, check_output_dir
+from ..outputs import check_output_dir
 from ..plan import ResolvedPlan, resolve_plan
 from ..plan.patterns import load_plan_patterns
 from ..plan.resolve import SourceModel, read_source, resolve_and_keep
@@ -325,7 +325,7 @@ def _agree(
             options.profile_dir = check_output_dir(options.profile_dir, "profile dir", plan.source)
         load = dict(strategy=options.strategy, init=options.init, seed=options.seed)
         mine = {**load, **_comparable(request)}
-    except (OutputPathError, ValueError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - said to every rank below: each must reach the broadcast
         problem = str(e)
     asked = [mine]
     dist.broadcast_object_list(asked, src=0)
@@ -352,11 +352,10 @@ def _differences(mine: dict[str, Any], rank0: dict[str, Any]) -> str | None:
     differ = [name for name in mine if mine[name] != rank0.get(name)]
     if not differ:
         return None
-
-    def shown(value: Any) -> str:
-        return f"{len(value)} plan keys" if isinstance(value, dict) else str(value)
-
-    asked = ", ".join(f"{n} {shown(mine[n])} (rank 0: {shown(rank0.get(n))})" for n in differ)
+    asked = ", ".join(
+        "another plan than rank 0's" if n == "plan" else f"{n} {mine[n]} (rank 0: {rank0.get(n)})"
+        for n in differ
+    )
     return f"asked for {asked}: every rank must ask for the same load"
 
 
