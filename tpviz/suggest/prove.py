@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,9 +38,6 @@ class Simulation:
     max_abs_diff: float | None  # None: no logits to compare (a rank's forward failed)
     tolerance: float
     reason: str | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def line(self) -> str:
         """One line for a person: what was simulated, and the verdict."""

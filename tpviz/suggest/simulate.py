@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
-from threading import BrokenBarrierError
 
 import torch
 from torch import nn
@@ -165,7 +164,8 @@ def run_ranks(
     failed = [r for r, e in enumerate(errors) if e is not None]
     if failed:
         # the rank that failed first, not one its abort stopped at a collective
-        rank = next((r for r in failed if not isinstance(errors[r], BrokenBarrierError)), failed[0])
+        aborted = threading.BrokenBarrierError
+        rank = next((r for r in failed if not isinstance(errors[r], aborted)), failed[0])
         raise RankForwardError(rank, _failing_module(errors[rank], copies[rank]), errors[rank])
     return results
 
