@@ -22,6 +22,7 @@ from tpviz.plan import (
 )
 
 from .conftest import write_config
+from .hf_tiny import TINY_DIMS
 
 LLAMA_70B = dict(
     architectures=["LlamaForCausalLM"],
@@ -201,14 +202,7 @@ def test_a_default_plans_keys_for_other_variants_are_not_warned_about(tmp_path):
     keys are warned about."""
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.for_model(
-        "qwen2_moe",
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        moe_intermediate_size=32,
-        vocab_size=256,
+        "qwen2_moe", **TINY_DIMS, num_experts=4, moe_intermediate_size=32
     )
     config.save_pretrained(tmp_path)  # config.json alone: plans need no weights
     default = tpviz.resolve_plan(tmp_path, 2)

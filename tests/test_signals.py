@@ -172,16 +172,7 @@ def test_a_transformers_model_leaves_no_torch_cache_dir_in_tmpdir(tiny, tmp_path
     """transformers' model classes import torch._dynamo, which makes its cache dir in $TMPDIR
     as it is imported: the CLI keeps it in a directory of its own, removed at exit."""
     tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tpviz", "plan", str(tiny), "--model", "hf"],
-        capture_output=True,
-        text=True,
-        timeout=BOUND * 2,
-        env={**env, "TMPDIR": str(tmpdir)},
-        cwd=REPO,
-    )
+    done = _cli_in_own_tmpdir(tmpdir, "plan", str(tiny), "--model", "hf")
     assert done.returncode == 0, done.stderr
     assert not list(tmpdir.iterdir())
 
@@ -196,19 +187,25 @@ def test_a_command_failing_before_its_ranks_start_leaves_no_server_and_nothing(t
     config = json.loads((tiny / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 100_000}))
     tmpdir = tmp_path / "tmp"
+    done = _cli_in_own_tmpdir(tmpdir, "load", str(source), "--model", "hf")
+    assert done.returncode == 2 and "num_hidden_layers" in done.stderr, done.stderr
+    assert _processes_started_in(tmpdir) == []  # the server included: its TMPDIR is below
+    assert not list(tmpdir.iterdir())
+
+
+def _cli_in_own_tmpdir(tmpdir, *args: str) -> subprocess.CompletedProcess:
+    """`python -m tpviz ARGS` run to its end with $TMPDIR at `tmpdir` (made here) and torch's
+    cache dir left for the CLI to choose."""
     tmpdir.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tpviz", "load", str(source), "--model", "hf"],
+    return subprocess.run(
+        [sys.executable, "-m", "tpviz", *args],
         capture_output=True,
         text=True,
         timeout=BOUND * 2,
         env={**env, "TMPDIR": str(tmpdir)},
         cwd=REPO,
     )
-    assert done.returncode == 2 and "num_hidden_layers" in done.stderr, done.stderr
-    assert _processes_started_in(tmpdir) == []  # the server included: its TMPDIR is below
-    assert not list(tmpdir.iterdir())
 
 
 def _processes_started_in(tmpdir) -> list[int]:

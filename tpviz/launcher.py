@@ -1,7 +1,7 @@
 """launch() and compare(): check the request, then start a LoadJob (job.py) on local ranks.
 
-Ranks start under the `spawn` start method with a file rendezvous in a private temp dir and
-loopback-only sockets (see rankserver.py). A pump thread multiplexes the ranks' pipes and process
+Ranks fork from tpviz's rank server (rankserver.py) with a file rendezvous in a private temp
+dir and loopback-only sockets. A pump thread multiplexes the ranks' pipes and process
 sentinels, so a rank that fails or dies ends the whole job within a fraction of a second; a rank
 whose heartbeat falls silent (frozen, stopped) ends it after `heartbeat_timeout`, as does one
 still running a command that long after its peers finished it (waiting in a collective they

@@ -349,11 +349,11 @@ def _comparable(request: dict[str, Any]) -> dict[str, Any]:
 
 def _differences(mine: dict[str, Any], rank0: dict[str, Any]) -> str | None:
     """What this rank asked for that rank 0 did not, in one line; None if nothing."""
-    differ = [name for name in mine if mine[name] != rank0.get(name)]
+    differ = [name for name in mine if mine[name] != rank0[name]]
     if not differ:
         return None
     asked = ", ".join(
-        "another plan than rank 0's" if n == "plan" else f"{n} {mine[n]} (rank 0: {rank0.get(n)})"
+        "another plan than rank 0's" if n == "plan" else f"{n} {mine[n]} (rank 0: {rank0[n]})"
         for n in differ
     )
     return f"asked for {asked}: every rank must ask for the same load"
