@@ -34,7 +34,7 @@ class Split:
 
     PARTS = {  # part -> (module, attribute) of the function it is timed around
         "imports": (builtins, "__import__"),
-        "plan": ("tpviz.runtime.loader", "_resolve_on_rank0"),  # rank 0 resolves, others read
+        "plan": ("tpviz.runtime.in_group", "_resolve_on_rank0"),  # rank 0 resolves, others read
         "skeleton": ("tpviz.runtime.loader", "_prepare"),
         "allocation": ("tpviz.runtime.executor.LoadContext", "shard"),
         "reads": ("tpviz.runtime.executor", "read_into"),
@@ -98,7 +98,7 @@ def main() -> None:
         transformers.AutoModelForCausalLM, transformers.LlamaForCausalLM  # noqa: B018
     else:
         import tpviz.models.llama  # noqa: F401
-        import tpviz.runtime.loader  # noqa: F401
+        import tpviz.runtime.in_group  # noqa: F401
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -7,12 +7,34 @@ import re
 import pytest
 
 from tpviz.cli import STRATEGIES, main
+from tpviz.events import Done, read_events_dir
 
 
 @pytest.mark.slow
-def test_compare_names_each_strategy_while_it_runs_and_ends_with_the_table(tiny, capsys):
-    assert main(["compare", str(tiny), "--world-size", "2"]) == 0
+def test_compare_names_each_strategy_while_it_runs_and_ends_with_the_table(tiny, capsys, tmp_path):
+    """... and writes each strategy's events and traces to a directory of its own: one load
+    per events dir, which a follower can tell ended (an earlier run's files are removed)."""
+    events, traces = tmp_path / "events", tmp_path / "traces"
+    (events / "sliced").mkdir(parents=True)
+    (events / "sliced" / "rank5.jsonl").write_text("an earlier, larger run's\n")
+    (events / "sliced" / "notes.txt").write_text("the user's own\n")
+    command = ["compare", str(tiny), "--world-size", "2", "--events", str(events)]
+    assert main([*command, "--profile", str(traces)]) == 0
     out, err = capsys.readouterr()
+    assert sorted(p.name for p in events.iterdir()) == sorted(STRATEGIES)
+    assert sorted(p.name for p in traces.iterdir()) == sorted(STRATEGIES)
+    assert sorted(p.name for p in (events / "sliced").iterdir()) == [
+        "notes.txt",
+        "rank0.jsonl",
+        "rank1.jsonl",
+    ]
+    for strategy in STRATEGIES:
+        done = [e for e in read_events_dir(events / strategy) if isinstance(e, Done)]
+        assert sorted(e.rank for e in done) == [0, 1]  # one load's each
+        assert sorted(p.name.split(".")[0] for p in (traces / strategy).iterdir()) == [
+            "rank0",
+            "rank1",
+        ]
     lines = err.strip().splitlines()
     n = len(STRATEGIES)
     # every progress line names its strategy, in the order they run, a few lines each

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from tpviz.events import Done, Memory, UnitDone, UnitStart, read_events_dir
+import tpviz
+from tpviz.events import Done, Error, Memory, UnitDone, UnitStart, read_events_dir
 from tpviz.plan import resolve_plan
 
 from .conftest import REPO
@@ -65,11 +66,21 @@ def test_a_rank_given_another_source_fails_them_all_instead_of_loading_rank_0s(
     one it cannot read while rank 0 resolves) would load rank 0's model without a word. Each
     still reaches the plan's broadcast (rank 0 would wait there until the timeout), and then
     every rank fails with the same line naming both sources."""
-    for other in (tiny_tied, tmp_path / "gone"):
-        run = _torchrun_load(tmp_path, str(tiny), str(tmp_path / "events"), str(other))
+    events = tmp_path / "events"
+    for other in (tiny_tied, tmp_path / "missing" / "model"):
+        events.mkdir(exist_ok=True)
+        (events / "rank3.jsonl").write_text("")  # an earlier, larger run's: removed
+        run = _torchrun_load(tmp_path, str(tiny), str(events), str(other))
         assert run.returncode != 0
-        assert f"rank 1: asked for source {other} (rank 0: {tiny})" in run.stderr, run.stderr
+        said = f"rank 1: asked for source {other} (rank 0: {tiny})"
+        assert said in run.stderr, run.stderr
         assert "every rank must ask for the same load" in run.stderr
+        # each rank's file ends with why, so that a follower of the files sees the job end
+        assert sorted(p.name for p in events.iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
+        last = {e.rank: e for e in read_events_dir(events)}
+        assert all(isinstance(last[r], Error) and said in last[r].message for r in (0, 1))
+    with pytest.raises(tpviz.LoadError, match="asked for source"):
+        tpviz.LoadMonitor.from_events_dir(events, poll_seconds=0.05).wait(30)
 
 
 def test_a_rank_asked_for_another_load_or_to_write_into_the_checkpoint_fails_them_all(

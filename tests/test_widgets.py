@@ -13,7 +13,18 @@ import numpy as np
 import pytest
 
 import tpviz
-from tpviz.events import Done, Memory, Phase, UnitDone, UnitStart
+from tpviz.events import (
+    Done,
+    Error,
+    JsonlTail,
+    Memory,
+    Phase,
+    UnitDone,
+    UnitStart,
+    encode,
+    events_file,
+    remove_rank_files,
+)
 from tpviz.format import count, layer_of
 from tpviz.job import LoadJob
 from tpviz.plan import RankShard, TensorPlan, forecast, local_shape, resolve_plan, shard_blocks
@@ -490,6 +501,51 @@ def test_monitor_follows_an_events_dir(monitored):
     assert "tpviz-summary" in follower.summary.value
     units = len(job.plan.units())
     assert all(bar.value == bar.max == units for bar, _ in follower._bars.values())
+
+
+def _write_events(directory, events, mode="a"):
+    with open(events_file(directory, events[0].rank), mode, encoding="utf-8") as f:
+        f.writelines(encode(e) + "\n" for e in events)
+
+
+def test_a_follower_reads_a_new_loads_file_from_its_start(tmp_path):
+    """Each load's files start empty: a follower that had read further into the last one's
+    reads the new one from its first line."""
+    _write_events(tmp_path, [Phase(0, 1.0, name="loading"), Phase(0, 2.0, name="loaded")])
+    tail = JsonlTail(tmp_path)
+    assert [e.t for e in tail.read_new()] == [1.0, 2.0]
+    _write_events(tmp_path, [Phase(0, 5.0, name="starting")], mode="w")
+    assert [e.t for e in tail.read_new()] == [5.0]
+    (tmp_path / "rank7.jsonl").write_text("")  # an earlier run's rank, and a file of the user's
+    (tmp_path / "rank.jsonl").write_text("not a rank's")
+    remove_rank_files(tmp_path, beyond=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank.jsonl", "rank0.jsonl"]
+
+
+def test_a_follower_says_where_each_rank_was_once_their_files_stop_growing(tmp_path):
+    """A killed rank writes nothing more: after `silence_seconds` without a new line the status
+    says where each rank was, and following goes on (here, to the rank's error)."""
+    _write_events(
+        tmp_path,
+        [
+            Phase(0, 1.0, name="loading"),
+            UnitStart(0, 1.1, module="a", bytes=8, index=0, total=4),
+            UnitDone(0, 1.2, module="a", bytes=8, seconds=0.1, index=0, total=4),
+            UnitStart(0, 1.3, module="model.layers.1.mlp", bytes=8, index=1, total=4),
+        ],
+    )
+    silent = threading.Event()
+    follower = tpviz.LoadMonitor.from_events_dir(tmp_path, poll_seconds=0.02, silence_seconds=0.2)
+    follower.status.observe(
+        lambda change: "no rank has written" in change["new"] and silent.set(), "value"
+    )
+    assert "no rank has written" in follower.status.value or silent.wait(30)
+    assert "rank 0 was loading model.layers.1.mlp (unit 2 of 4)" in follower.status.value
+    assert "still following" in follower.status.value and not follower.finished
+    _write_events(tmp_path, [Error(0, 9.0, message="the rank's own last words")])
+    with pytest.raises(tpviz.LoadError, match="the rank's own last words"):
+        follower.wait(30)
+    assert "no rank has written" not in follower.status.value
 
 
 @pytest.mark.slow

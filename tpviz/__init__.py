@@ -25,7 +25,7 @@ _EXPORTS = {
     "LoadError": "tpviz.launcher",
     "LoadResult": "tpviz.results",
     "RankResult": "tpviz.results",
-    "load_sharded": "tpviz.runtime.loader",
+    "load_sharded": "tpviz.runtime.in_group",
     "PlanView": "tpviz.widgets.plan_view",
     "LoadMonitor": "tpviz.widgets.monitor",
     "Dashboard": "tpviz.widgets.dashboard",

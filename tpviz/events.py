@@ -6,6 +6,7 @@ event has `v` (format version), `type`, `rank` and `t` (Unix time, seconds).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -142,21 +143,49 @@ def events_file(directory: str | os.PathLike, rank: int) -> Path:
     return Path(directory) / f"rank{rank}.jsonl"
 
 
+def rank_files(directory: str | os.PathLike) -> list[Path]:
+    """The `rank{r}.jsonl` files of an events dir, in rank order."""
+    found = [p for p in Path(directory).glob("rank*.jsonl") if p.stem[4:].isdigit()]
+    return sorted(found, key=lambda p: int(p.stem[4:]))
+
+
+def remove_rank_files(directory: str | os.PathLike, beyond: int = 0) -> None:
+    """Remove an earlier load's files of ranks `beyond` and up before a load writes its own:
+    an events dir holds one load, so that a follower never reads the last run's `done` (or a
+    rank the new load does not have) as this one's. Other files are left alone; a file that
+    cannot be removed is reported by the rank that then cannot write it."""
+    for path in rank_files(directory):
+        if int(path.stem[4:]) >= beyond:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
 class JsonlTail:
-    """Follows the `rank*.jsonl` files of an events dir, returning complete new lines."""
+    """Follows the `rank*.jsonl` files of an events dir, returning complete new lines. A file
+    replaced by a new load's (another inode, or a shorter file) is read again from its start."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
-        self._offsets: dict[Path, int] = {}
+        self._read: dict[Path, tuple[int, int]] = {}  # path -> (inode, offset)
         self._partial: dict[Path, str] = {}
 
     def read_new(self) -> list[Event]:
         out: list[Event] = []
-        for path in sorted(self.directory.glob("rank*.jsonl")):
-            with open(path, encoding="utf-8") as f:
-                f.seek(self._offsets.get(path, 0))
+        for path in rank_files(self.directory):
+            try:
+                f = open(path, encoding="utf-8")  # noqa: SIM115 - closed below
+            except FileNotFoundError:  # removed by a new load since it was listed
+                continue
+            with f:
+                stat = os.fstat(f.fileno())
+                inode = stat.st_ino
+                known, offset = self._read.get(path, (inode, 0))
+                if known != inode or offset > stat.st_size:  # (a reused inode, shorter)
+                    offset = 0
+                    self._partial.pop(path, None)
+                f.seek(offset)
                 chunk = f.read()
-                self._offsets[path] = f.tell()
+                self._read[path] = (inode, f.tell())
             text = self._partial.pop(path, "") + chunk
             lines = text.split("\n")
             if lines[-1]:

@@ -21,6 +21,7 @@ import torch
 
 from .capacity import free_task_slots, host_shortfall
 from .errors import LoadError, MemoryForecastError
+from .events import remove_rank_files
 from .job import HEARTBEAT_TIMEOUT, LoadJob
 from .outputs import check_output_dir
 from .plan import ResolvedPlan, forecast, resolve_plan
@@ -191,6 +192,8 @@ def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
     options.validate(resolved)
     if not a.force:
         check_memory(resolved, a.strategy, a.device, options.init)
+    if events_dir:
+        remove_rank_files(events_dir)
     return LoadJob(
         resolved,
         options,
@@ -254,7 +257,9 @@ def compare(
 ) -> list[LoadResult]:
     """Load with each strategy in turn on the same ranks (each after the first a reload) and
     return the results, each with `ratio_to_sliced`. `follow(job)` waits for a job (e.g.
-    drawing progress); default `wait`."""
+    drawing progress); default `wait`. Each strategy writes its events and profiler traces
+    to a subdirectory of `events_dir` and `profile_dir` named after it (one load per events
+    dir; one TensorBoard run per strategy)."""
     resolved = resolve_plan(
         source,
         world_size,
@@ -269,9 +274,19 @@ def compare(
     job = None
     try:
         for strategy in strategies:  # the first on new ranks, the others on the same, warm
-            job = load_next(job, source, world_size, resolved, strategy=strategy, **launch_kwargs)
+            outputs = _outputs_of(strategy, launch_kwargs)
+            job = load_next(job, source, world_size, resolved, strategy=strategy, **outputs)
             results.append(follow(job) if follow else job.wait())
     finally:
         if job is not None:
             job.shutdown()
     return add_ratios(results)
+
+
+def _outputs_of(strategy: str, launch_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`launch_kwargs` with its output dirs made `strategy`'s subdirectories."""
+    out = dict(launch_kwargs)
+    for key in ("events_dir", "profile_dir"):
+        if out.get(key):
+            out[key] = os.path.join(out[key], strategy)
+    return out

@@ -52,6 +52,18 @@ def timeout_message(timeout: float, ranks: dict[int, RankProgress]) -> str:
     return f"the load did not finish within its timeout ({timeout:g} s){where}"
 
 
+def files_silence_message(seconds: float, directory: str, ranks: dict[int, RankProgress]) -> str:
+    """No events file in `directory` has grown for `seconds`: where each rank not done was."""
+    if not ranks:
+        return f"nothing written to {directory} in {seconds:.0f} s: has the job started?"
+    behind = [f"rank {r} {_whereabouts(p)}" for r, p in sorted(ranks.items()) if not p.loaded]
+    where = f" ({', '.join(behind)})" if behind else ""
+    return (
+        f"no rank has written an event for {seconds:.0f} s{where}: a rank "
+        "that was killed writes nothing more, so the job may have ended; still following"
+    )
+
+
 def _whereabouts(progress: RankProgress) -> str:
     if progress.phase == RankPhase.LOADING and progress.module:
         units = f"unit {progress.units_done + 1} of {progress.units_total}"

@@ -1,7 +1,7 @@
 """Loading inside one rank of an existing process group: skeleton, strategy, checks, result.
 
-`tpviz.launch` runs this in the ranks it spawns; `load_sharded` is the same for a process group
-the caller made (torchrun, several machines).
+`tpviz.launch` runs this in the ranks it spawns; `load_sharded` (in_group.py) runs it in a
+process group the caller made (torchrun, several machines).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +19,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError
-from ..events import Done, Phase, RankPhase
+from ..events import Done, Error, Phase, RankPhase
+from ..format import first_line
 from ..models import ModelAdapter, get_adapter, prompt_ids, read_config
-from ..outputs import check_output_dir
-from ..plan import ResolvedPlan, resolve_plan
-from ..plan.patterns import load_plan_patterns
-from ..plan.resolve import SourceModel, read_source, resolve_and_keep
+from ..plan import ResolvedPlan
+from ..plan.resolve import SourceModel
 from ..profiling import PHASE_PREFIX, rank_profiler
 from ..results import RankResult
 from ..strategies import STRATEGIES, Ledger, forecast
@@ -236,137 +236,21 @@ def _run_strategy(ctx: LoadContext, options: LoadOptions, config: dict) -> None:
         ctx.stager.finish()
 
 
-def load_sharded(
-    source: str | os.PathLike,
-    plan: dict | str | os.PathLike | ResolvedPlan | None = None,
-    *,
-    strategy: str = "sliced",
-    dtype: str | None = None,
-    model: str | None = None,
-    device: str | None = None,
-    init: str = "checkpoint",
-    seed: int = 0,
-    events_dir: str | os.PathLike | None = None,
-    memory_hz: float = 20.0,
-    profile_dir: str | os.PathLike | None = None,
-    profile_forward: bool = False,
-    kv_replication: bool = True,
-    experts: str = "tp",
-) -> ShardedModel:
-    """Load a model tensor-parallel inside the caller's process group (e.g. under torchrun).
-
-    Initialises the default process group from the environment if needed (gloo on CPU, nccl
-    on CUDA). Rank 0 resolves the plan and sends it to the others, so every rank executes the
-    same plan; the other ranks need only `config.json` (and, except for rank0_broadcast, the
-    weights). With `events_dir`, each rank writes its events to `rank{r}.jsonl` there.
-    `kv_replication` and `experts` choose as in `resolve_plan`.
-    """
-    local = rank_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if not dist.is_initialized():
-        init_group(local)
-    choices = dict(dtype=dtype, model=model, kv_replication=kv_replication, experts=experts)
-    options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
-    resolved, found = _resolve_on_rank0(source, plan, choices, options)
-    events_dir = _agree(resolved, options, events_dir, dict(source=source, plan=plan, **choices))
-    sink = EventSink(dist.get_rank(), events_dir=events_dir)
-    try:
-        return load_in_group(resolved, options, sink, local, found)
-    finally:
-        sink.close()
-
-
-def _resolve_on_rank0(
-    source: str | os.PathLike, plan: Any, choices: dict[str, Any], options: LoadOptions
-) -> tuple[ResolvedPlan, SourceModel | None]:
-    """The plan every rank executes, and what this rank read to resolve or while waiting
-    for it (loading goes on from that skeleton and those headers rather than building and
-    reading them again): rank 0 resolves, the others read their source meanwhile."""
-    box: list[Any] = [None]
-    found = None
-    if dist.get_rank() == 0:
-        world = dist.get_world_size()
-        try:
-            if isinstance(plan, ResolvedPlan):
-                box = [resolve_plan(source, world, plan)]
-            else:
-                resolved, found = resolve_and_keep(source, world, plan, **choices)
-                box = [resolved]
-        except Exception as e:
-            dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=0)
-            raise
-    else:
-        found = _read_while_waiting(source, choices["model"], options)
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], str):
-        raise RuntimeError(f"rank 0 could not resolve the plan: {box[0]}")
-    resolved = box[0]
-    if found and (found.adapter.name, found.source) != (resolved.model, resolved.source):
-        found = None  # read for another model than the plan's: the load builds its own
-    return resolved, found
-
-
-def _agree(
-    plan: ResolvedPlan,
-    options: LoadOptions,
-    events_dir: str | os.PathLike | None,
-    request: dict[str, Any],
-) -> str | None:
-    """Check, on every rank and before anything is loaded, what each rank was asked: outputs
-    outside the checkpoint (tpviz never writes there) and the same load as rank 0's: the
-    same source, plan and choices (every rank reads the plan's source: one given another
-    would get rank 0's model without a word) and strategy (a rank running another would wait
-    in collectives its peers never enter). One rank's problem fails them all, with the same
-    error. Returns the events dir, made absolute."""
-    problem, mine = None, None
-    try:
-        if events_dir:
-            events_dir = check_output_dir(events_dir, "events dir", plan.source)
-        if options.profile_dir:
-            options.profile_dir = check_output_dir(options.profile_dir, "profile dir", plan.source)
-        load = dict(strategy=options.strategy, init=options.init, seed=options.seed)
-        mine = {**load, **_comparable(request)}
-    except Exception as e:  # noqa: BLE001 - said to every rank below: each must reach the broadcast
-        problem = str(e)
-    asked = [mine]
-    dist.broadcast_object_list(asked, src=0)
-    if problem is None and asked[0] is not None:
-        problem = _differences(mine, asked[0])
-    problems: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    for rank, found in enumerate(problems):
-        if found:
-            raise ValueError(f"rank {rank}: {found}")
-    return events_dir
-
-
-def _comparable(request: dict[str, Any]) -> dict[str, Any]:
-    """A rank's arguments as the ranks compare them: its source as a real path, and its plan
-    as the keys it holds (a file is read here, on this rank)."""
-    plan = request["plan"]
-    keys = plan.patterns if isinstance(plan, ResolvedPlan) else load_plan_patterns(plan)
-    return {**request, "source": os.path.realpath(request["source"]), "plan": keys}
-
-
-def _differences(mine: dict[str, Any], rank0: dict[str, Any]) -> str | None:
-    """What this rank asked for that rank 0 did not, in one line; None if nothing."""
-    differ = [name for name in mine if mine[name] != rank0[name]]
-    if not differ:
-        return None
-    asked = ", ".join(
-        "another plan than rank 0's" if n == "plan" else f"{n} {mine[n]} (rank 0: {rank0[n]})"
-        for n in differ
+def failure_event(rank: int, error: BaseException) -> Error:
+    """The `error` event of a rank that failed with `error` (being handled)."""
+    failure = error if isinstance(error, LoadFailure) else None
+    return Error(
+        rank,
+        time.time(),
+        message=error_text(error),
+        module=failure.module if failure else None,
+        file=failure.file if failure else getattr(error, "file", None),
+        traceback=traceback.format_exc(),
     )
-    return f"asked for {asked}: every rank must ask for the same load"
 
 
-def _read_while_waiting(
-    source: str | os.PathLike, model: str | None, options: LoadOptions
-) -> SourceModel | None:
-    """What a rank other than 0 reads of its source while rank 0 resolves the plan; None if
-    that fails. It must reach the plan's broadcast whatever happens (rank 0 would wait there
-    until the timeout), and the load reports the same failure when it reads the files."""
-    weights = source if options.reads_checkpoint(dist.get_rank()) else None
-    try:
-        return read_source(source, model, weights)
-    except Exception:
-        return None
+def error_text(error: BaseException) -> str:
+    """What a rank's failure says: the error's first line (`SystemExit` names the exit)."""
+    if isinstance(error, SystemExit):
+        return f"the rank called sys.exit({error.code!r})"
+    return first_line(error)

@@ -46,7 +46,7 @@ class EventSink:
 
     def _open(self, events_dir: str | os.PathLike) -> None:
         os.makedirs(events_dir, exist_ok=True)
-        self._file = open(events_file(events_dir, self.rank), "a", encoding="utf-8")  # noqa: SIM115
+        self._file = open(events_file(events_dir, self.rank), "w", encoding="utf-8")  # noqa: SIM115
 
     def _to_file(self, write: Callable[[], None]) -> None:
         """Run one file operation; on failure note it and write no more."""

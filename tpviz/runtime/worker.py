@@ -26,12 +26,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout  # it has no public name yet
 
-from ..events import Error, Phase, RankPhase
-from ..format import first_line
+from ..events import Phase, RankPhase
 from ..messages import Beat, Command, CommandName, Reply
 from .channel import Channel
-from .executor import LoadFailure
-from .loader import ShardedModel, init_group, load_in_group, rank_device
+from .loader import (
+    ShardedModel,
+    error_text,
+    failure_event,
+    init_group,
+    load_in_group,
+    rank_device,
+)
 from .options import WorkerSpec
 from .sink import EventSink
 
@@ -73,19 +78,8 @@ def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
             sink = EventSink(rank, channel.send, spec.events_dir)
             sink.emit(Phase(rank, time.time(), name=RankPhase.STARTING))
     except BaseException as e:  # report, then leave at once: peers may be stuck in collectives
-        module = e.module if isinstance(e, LoadFailure) else None
-        file = e.file if isinstance(e, LoadFailure) else getattr(e, "file", None)
         try:
-            sink.emit(
-                Error(
-                    rank,
-                    time.time(),
-                    message=_error_text(e),
-                    module=module,
-                    file=file,
-                    traceback=traceback.format_exc(),
-                )
-            )
+            sink.emit(failure_event(rank, e))
             sink.close()
         finally:
             os._exit(1)
@@ -95,13 +89,6 @@ def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
         dist.destroy_process_group()
     except Exception:  # a peer ended first (the launcher was closing anyway): leave quietly
         os._exit(1)
-
-
-def _error_text(error: BaseException) -> str:
-    """What a rank's failure says: the error's first line (`SystemExit` names the exit)."""
-    if isinstance(error, SystemExit):
-        return f"the rank called sys.exit({error.code!r})"
-    return first_line(error)
 
 
 def fix_mmap_threshold() -> None:
@@ -164,7 +151,7 @@ def _run_command(loaded: ShardedModel, command: Command) -> Reply:
 
 def _failed(loaded: ShardedModel, command: Command, error: Exception, why: str = "") -> Reply:
     """A command's failure: one line for the caller, the traceback beside it."""
-    said = _error_text(error)
+    said = error_text(error)
     kind = type(error).__name__
     text = f"rank {loaded.rank}: {command.name} failed: {why}{kind}"
     text += f": {said}" if said != kind else ""

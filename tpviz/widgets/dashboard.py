@@ -22,7 +22,8 @@ from ..plan import STRATEGIES, ResolvedPlan, load_plan_patterns, resolve_plan
 from ..report import html_page, load_parts, plan_parts
 from ..suggest import Suggestion, suggest_plan
 from . import figures
-from .monitor import LoadMonitor, MemoryChart
+from .chart import MemoryChart
+from .monitor import LoadMonitor
 from .plan_view import PlanView, issues_html
 
 

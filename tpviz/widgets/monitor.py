@@ -15,17 +15,19 @@ from html import escape
 from typing import Any
 
 import ipywidgets as widgets
-from plotly.graph_objects import FigureWidget  # at import: it takes seconds the first time
 
 from ..events import Done, Event, JobState, JsonlTail
 from ..format import human_bytes
+from ..job import HEARTBEAT_TIMEOUT
 from ..launcher import LoadError, LoadJob
+from ..liveness import files_silence_message
 from ..plan import ResolvedPlan
 from ..progress import rank_startup, startup_text
 from ..report import html_page, load_parts, plan_parts
 from ..results import LoadResult, RankResult, slowest_load
 from ..tracking import ProgressTracker
 from . import figures
+from .chart import MemoryChart
 from .throttle import Schedule, Throttle, timer_thread
 
 MAX_UPDATES_PER_SECOND = 10.0
@@ -36,76 +38,6 @@ _CSS = """<style>
   text-align: right; }
 .tpviz-status.failed, .tpviz-status.cancelled { color: #b00020; }
 </style>"""
-
-
-class MemoryChart:
-    """Memory over time, one line per rank and load, with a measure selector. Several monitors
-    may share one chart: each adds its load as a run, so strategies overlay."""
-
-    def __init__(self, measure: str = "rss_growth"):
-        self.measure = widgets.Dropdown(
-            options=[(label, key) for key, (label, _) in figures.MEASURES.items()],
-            value=measure,
-            description="measure",
-            layout=widgets.Layout(width="360px"),
-        )
-        self.figure = FigureWidget(figures.memory_figure([], measure))
-        self.runs: list[figures.MemoryRun] = []
-        self.unit = figures.memory_unit([])
-        self.lock = threading.RLock()  # runs are fed and drawn from several threads
-        self._slots: dict[tuple[int, int], int] = {}  # (run, rank) -> its first trace
-        self.measure.observe(self._on_measure, "value")
-        self.widget = widgets.VBox([self.measure, self.figure])
-
-    def add_run(self, run: figures.MemoryRun) -> None:
-        with self.lock:
-            run.color_offset = sum(max(len(r.ranks), 1) for r in self.runs)
-            self.runs.append(run)
-            unit = figures.memory_unit(self.runs)
-            if unit != self.unit:  # a larger model: every run again, in the new unit
-                self.unit = unit
-                self.redraw()
-            else:
-                self.draw(run)
-
-    def draw(self, run: figures.MemoryRun) -> None:
-        """Redraw `run` for the current measure; ranks new to it get their traces."""
-        with self.lock:
-            index = next(i for i, r in enumerate(self.runs) if r is run)
-            measure = self.measure.value
-            new = []
-            with self.figure.batch_update():
-                for rank in run.ranks:
-                    traces = figures.rank_traces(run, rank, measure, self.unit)
-                    slot = self._slots.get((index, rank))
-                    if slot is None:
-                        new.append((rank, traces))
-                        continue
-                    for target, trace in zip(self.figure.data[slot : slot + len(traces)], traces):
-                        target.x, target.y = trace.x, trace.y
-                        target.name, target.visible = trace.name, trace.visible
-            for rank, traces in new:
-                self._slots[(index, rank)] = len(self.figure.data)
-                self.figure.add_traces(traces)
-
-    def redraw(self) -> None:
-        """Every run again, for the current measure and unit."""
-        with self.lock:
-            with self.figure.batch_update():
-                self.figure.layout.update(figures.memory_layout(self.measure.value, self.unit))
-            for run in self.runs:
-                self.draw(run)
-
-    def _on_measure(self, _change: dict[str, Any]) -> None:
-        self.redraw()
-
-    def note(self, text: str) -> None:
-        """Text across the plot (a load's startup, while its lines are still empty)."""
-        with self.lock:
-            shown = self.figure.layout.annotations
-            if (shown[0].text if shown else "") != text:
-                note = dict(text=text, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False)
-                self.figure.layout.annotations = [note] if text else []
 
 
 class LoadMonitor(widgets.VBox):
@@ -152,6 +84,7 @@ class LoadMonitor(widgets.VBox):
         self._finish_callbacks: list[Callable[[LoadMonitor], None]] = []
         self._unsubscribe: Callable[[], None] | None = None
         self._started = time.time()
+        self._silence: tuple[float, str] | None = None  # followed files unchanged: (s, dir)
         self.status = widgets.HTML()
         self.cancel_button = widgets.Button(
             description="Cancel", icon="stop", button_style="warning", disabled=job is None
@@ -177,25 +110,34 @@ class LoadMonitor(widgets.VBox):
         plan: ResolvedPlan | None = None,
         *,
         poll_seconds: float = 0.2,
+        silence_seconds: float = HEARTBEAT_TIMEOUT,
         label: str = "torchrun",
         **kwargs: Any,
     ) -> LoadMonitor:
         """Follow the `rank*.jsonl` files a torchrun job writes (`load_sharded(...,
         events_dir=path)`) from a background thread until every rank is done or fails. With
         the job's `plan`, byte totals and final shards are drawn from the start; the forecast
-        peaks (and without a plan, the shards) appear with each rank's result."""
+        peaks (and without a plan, the shards) appear with each rank's result. A rank that is
+        killed writes nothing more: when no file has grown for `silence_seconds` (a loading
+        rank writes its memory many times a second), the status says where each rank was,
+        and following goes on."""
         monitor = cls(None, plan=plan, label=label, **kwargs)
         tail = JsonlTail(path)
 
         def follow() -> None:
+            heard = time.monotonic()
             while not (monitor._finished.is_set() or monitor._stop.is_set()):
                 try:
                     events = tail.read_new()
                 except (OSError, ValueError) as e:
                     monitor.status.value = f"cannot read events from {escape(str(path))}: {e}"
                     return
+                now = time.monotonic()
                 if events:
+                    heard = now
                     monitor.feed(events)
+                quiet = now - heard
+                monitor._note_silence(quiet if quiet >= silence_seconds else None, str(path))
                 monitor._stop.wait(poll_seconds)
 
         threading.Thread(target=follow, name="tpviz-events-tail", daemon=True).start()
@@ -261,6 +203,12 @@ class LoadMonitor(widgets.VBox):
         return html_page(f"tpviz load: {self.label}", parts)
 
     # --- events and redraws -----------------------------------------------------------------
+
+    def _note_silence(self, seconds: float | None, path: str) -> None:
+        """The followed files have not grown for `seconds` (None: they grow)."""
+        if (seconds, self._silence) != (None, None):
+            self._silence = None if seconds is None else (seconds, path)
+            self._throttle.request()
 
     def _on_event(self, event: Event) -> None:
         with self._lock:
@@ -347,6 +295,8 @@ class LoadMonitor(widgets.VBox):
             text = "loaded: " + figures.headline(result)
             if state in (JobState.CLOSING, JobState.CLOSED):
                 text += f" (job {state})"
+        elif self._silence is not None and not state.finished:
+            text = files_silence_message(*self._silence, self.tracker.ranks)
         elif state is JobState.VERIFYING:
             text = "verifying the sharded model against a single-process reference ..."
         elif ranks and any(rank_startup(p) for p in ranks.values()):

@@ -1,0 +1,180 @@
+"""`load_sharded`: a load inside a process group the caller made (torchrun, several machines).
+
+Rank 0 resolves the plan and sends it to the others; every rank checks that it was asked for
+the same load as rank 0 before anything is read, then loads as a spawned rank does
+(loader.py). Each rank writes its events from its start, failures included, so that a
+follower of the events dir (`LoadMonitor.from_events_dir`) sees how the job ended.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..events import remove_rank_files
+from ..outputs import OutputPathError, check_output_dir
+from ..plan import ResolvedPlan, resolve_plan
+from ..plan.patterns import load_plan_patterns
+from ..plan.resolve import SourceModel, read_source, resolve_and_keep
+from .loader import ShardedModel, failure_event, init_group, load_in_group, rank_device
+from .options import LoadOptions
+from .sink import EventSink
+
+
+def load_sharded(
+    source: str | os.PathLike,
+    plan: dict | str | os.PathLike | ResolvedPlan | None = None,
+    *,
+    strategy: str = "sliced",
+    dtype: str | None = None,
+    model: str | None = None,
+    device: str | None = None,
+    init: str = "checkpoint",
+    seed: int = 0,
+    events_dir: str | os.PathLike | None = None,
+    memory_hz: float = 20.0,
+    profile_dir: str | os.PathLike | None = None,
+    profile_forward: bool = False,
+    kv_replication: bool = True,
+    experts: str = "tp",
+) -> ShardedModel:
+    """Load a model tensor-parallel inside the caller's process group (e.g. under torchrun).
+
+    Initialises the default process group from the environment if needed (gloo on CPU, nccl
+    on CUDA). Rank 0 resolves the plan and sends it to the others, so every rank executes the
+    same plan; the other ranks need only `config.json` (and, except for rank0_broadcast, the
+    weights). With `events_dir`, each rank writes its events to `rank{r}.jsonl` there.
+    `kv_replication` and `experts` choose as in `resolve_plan`.
+    """
+    local = rank_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not dist.is_initialized():
+        init_group(local)
+    choices = dict(dtype=dtype, model=model, kv_replication=kv_replication, experts=experts)
+    options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
+    rank = dist.get_rank()
+    sink = EventSink(rank, events_dir=_own_events_dir(events_dir, source))
+    try:
+        resolved, found = _resolve_on_rank0(source, plan, choices, options)
+        _agree(resolved, options, events_dir, dict(source=source, plan=plan, **choices))
+        return load_in_group(resolved, options, sink, local, found)
+    except BaseException as e:  # the rank's file ends with why, for those who follow it
+        sink.emit(failure_event(rank, e))
+        raise
+    finally:
+        sink.close()
+
+
+def _own_events_dir(events_dir: str | os.PathLike | None, source: str | os.PathLike) -> str | None:
+    """Where this rank writes its events from the start, so that even a failure before
+    loading ends its file; None without a dir, or where it cannot be used (`_agree` then
+    fails every rank naming it). Each rank's file starts empty; rank 0 removes the files of
+    ranks beyond this world (an earlier, larger load's), which a follower would take for
+    this load's."""
+    if not events_dir:
+        return None
+    try:
+        directory = check_output_dir(events_dir, "events dir", source)
+    except OutputPathError:
+        return None
+    if dist.get_rank() == 0:
+        remove_rank_files(directory, beyond=dist.get_world_size())
+    return directory
+
+
+def _resolve_on_rank0(
+    source: str | os.PathLike, plan: Any, choices: dict[str, Any], options: LoadOptions
+) -> tuple[ResolvedPlan, SourceModel | None]:
+    """The plan every rank executes, and what this rank read to resolve or while waiting
+    for it (loading goes on from that skeleton and those headers rather than building and
+    reading them again): rank 0 resolves, the others read their source meanwhile."""
+    box: list[Any] = [None]
+    found = None
+    if dist.get_rank() == 0:
+        world = dist.get_world_size()
+        try:
+            if isinstance(plan, ResolvedPlan):
+                box = [resolve_plan(source, world, plan)]
+            else:
+                resolved, found = resolve_and_keep(source, world, plan, **choices)
+                box = [resolved]
+        except Exception as e:
+            dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=0)
+            raise
+    else:
+        found = _read_while_waiting(source, choices["model"], options)
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise RuntimeError(f"rank 0 could not resolve the plan: {box[0]}")
+    resolved = box[0]
+    if found and (found.adapter.name, found.source) != (resolved.model, resolved.source):
+        found = None  # read for another model than the plan's: the load builds its own
+    return resolved, found
+
+
+def _agree(
+    plan: ResolvedPlan,
+    options: LoadOptions,
+    events_dir: str | os.PathLike | None,
+    request: dict[str, Any],
+) -> None:
+    """Check, on every rank and before anything is loaded, what each rank was asked: outputs
+    outside the checkpoint (tpviz never writes there) and the same load as rank 0's: the
+    same source, plan and choices (every rank reads the plan's source: one given another
+    would get rank 0's model without a word) and strategy (a rank running another would wait
+    in collectives its peers never enter). One rank's problem fails them all, with the same
+    error."""
+    problem, mine = None, None
+    try:
+        if events_dir:
+            check_output_dir(events_dir, "events dir", plan.source)
+        if options.profile_dir:
+            options.profile_dir = check_output_dir(options.profile_dir, "profile dir", plan.source)
+        load = dict(strategy=options.strategy, init=options.init, seed=options.seed)
+        mine = {**load, **_comparable(request)}
+    except Exception as e:  # noqa: BLE001 - said to every rank below: each must reach the broadcast
+        problem = str(e)
+    asked = [mine]
+    dist.broadcast_object_list(asked, src=0)
+    if problem is None and asked[0] is not None:
+        problem = _differences(mine, asked[0])
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    for rank, found in enumerate(problems):
+        if found:
+            raise ValueError(f"rank {rank}: {found}")
+
+
+def _comparable(request: dict[str, Any]) -> dict[str, Any]:
+    """A rank's arguments as the ranks compare them: its source as a real path, and its plan
+    as the keys it holds (a file is read here, on this rank)."""
+    plan = request["plan"]
+    keys = plan.patterns if isinstance(plan, ResolvedPlan) else load_plan_patterns(plan)
+    return {**request, "source": os.path.realpath(request["source"]), "plan": keys}
+
+
+def _differences(mine: dict[str, Any], rank0: dict[str, Any]) -> str | None:
+    """What this rank asked for that rank 0 did not, in one line; None if nothing."""
+    differ = [name for name in mine if mine[name] != rank0[name]]
+    if not differ:
+        return None
+    asked = ", ".join(
+        "another plan than rank 0's" if n == "plan" else f"{n} {mine[n]} (rank 0: {rank0[n]})"
+        for n in differ
+    )
+    return f"asked for {asked}: every rank must ask for the same load"
+
+
+def _read_while_waiting(
+    source: str | os.PathLike, model: str | None, options: LoadOptions
+) -> SourceModel | None:
+    """What a rank other than 0 reads of its source while rank 0 resolves the plan; None if
+    that fails. It must reach the plan's broadcast whatever happens (rank 0 would wait there
+    until the timeout), and the load reports the same failure when it reads the files."""
+    weights = source if options.reads_checkpoint(dist.get_rank()) else None
+    try:
+        return read_source(source, model, weights)
+    except Exception:
+        return None
