@@ -620,6 +620,13 @@ def test_dashboard_validates_loads_and_overlays_strategies(tmp_path):
     assert dash.plan_view.issues.layout.display == "none"
     dash.plan_view.world_size.value = 2
     assert "plan valid" in dash.validation.value
+    # valid plans whose styles do not compose show before a load, on simulated ranks
+    dash.plan_editor.value = good.replace('"rowwise"', '"colwise"')
+    assert "plan valid" in dash.validation.value
+    dash.simulate_button.click()
+    assert "FAILED" in dash.status.value and "forward fails in" in dash.status.value
+    dash.plan_editor.value = good
+    assert dash.simulate().ok and dash.status.value.endswith(": ok")
     try:
         dash.load()
         first = dash.wait(WAIT)

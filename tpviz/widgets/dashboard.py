@@ -15,12 +15,11 @@ import ipywidgets as widgets
 import torch
 
 from ..choices import TARGET_DTYPES
-from ..format import human_bytes, verdict
 from ..launcher import LoadError, LoadJob, load_next
 from ..models.demo import PRESETS, cache_dir, demo_checkpoint
 from ..plan import STRATEGIES, ResolvedPlan, load_plan_patterns, resolve_plan
 from ..report import html_page, load_parts, plan_parts
-from ..suggest import Suggestion, suggest_plan
+from ..suggest import Simulation, Suggestion, simulate_plan, suggest_plan
 from . import figures
 from .chart import MemoryChart
 from .monitor import LoadMonitor
@@ -115,6 +114,11 @@ class Dashboard(widgets.VBox):
             icon="magic",
             tooltip="propose a plan from the model's structure, proven on simulated ranks",
         )
+        self.simulate_button = widgets.Button(
+            description="simulate",
+            icon="check",
+            tooltip="run this plan on simulated ranks: do its styles compose? (about a second)",
+        )
         self.validation = widgets.HTML()
         self.plan_box = widgets.VBox()
         self.chart = MemoryChart(figures.default_measure(device))
@@ -126,6 +130,7 @@ class Dashboard(widgets.VBox):
                     [
                         widgets.HTML("<b>Plan</b> (JSON: pattern → style; validated as you type)"),
                         self.suggest_button,
+                        self.simulate_button,
                     ]
                 ),
                 self.plan_editor,
@@ -146,6 +151,7 @@ class Dashboard(widgets.VBox):
         self.experts.observe(lambda _: self.open_source(), "value")
         self.plan_editor.observe(self._on_plan_text, "value")
         self.suggest_button.on_click(lambda _: self.suggest())
+        self.simulate_button.on_click(lambda _: self.simulate())
 
     # --- choosing and resolving -------------------------------------------------------------
 
@@ -207,6 +213,27 @@ class Dashboard(widgets.VBox):
             f"suggested plan: shards {found.decoder_share:.1%} of the decoder layers' bytes"
         )
         return found
+
+    def simulate(self) -> Simulation | None:
+        """Run the editor's plan on simulated ranks (`tpviz.simulate_plan`): do its styles
+        compose? None if there is no valid plan."""
+        if reason := self._plan_problem():
+            self.status.value = _error_html(reason)
+            return None
+        self.status.value = "simulating the plan's ranks ..."
+        try:
+            found = simulate_plan(self.plan)
+        except (ValueError, OSError) as e:
+            self.status.value = _error_html(str(e))
+            return None
+        self.status.value = escape(found.line()) if found.ok else _error_html(found.line())
+        return found
+
+    def _plan_problem(self) -> str | None:
+        """Why the editor's plan cannot be simulated or loaded; None if it can."""
+        if self.plan is None or self._patterns is None:
+            return "the plan is not valid: see the Plan tab"
+        return "the plan has errors: see the Plan tab" if self.plan.errors else None
 
     def _on_plan_text(self, change: dict[str, Any]) -> None:
         if not self._editing:
@@ -275,13 +302,9 @@ class Dashboard(widgets.VBox):
         """Close the previous job and load the current plan with the chosen options; the new
         memory lines join the chart. None (with the reason shown) if it cannot start."""
         plan = self.plan
-        reason = None
+        reason = self._plan_problem()
         if self.monitors and not self.monitors[-1].finished:
             reason = "a load is still running: wait for it or cancel it"
-        elif plan is None or self._patterns is None:
-            reason = "the plan is not valid: see the Plan tab"
-        elif plan.errors:
-            reason = "the plan has errors: see the Plan tab"
         if reason:
             self.status.value = _error_html(reason)
             return None
@@ -361,38 +384,9 @@ class Dashboard(widgets.VBox):
             )
         else:
             self.status.value = escape(f"{monitor.label} loaded")
-        self.comparison.value = comparison_html(self.monitors)
+        loads = [(m.label, m.result) for m in self.monitors if m.result is not None]
+        self.comparison.value = figures.comparison_html(loads)
 
 
 def _error_html(reason: str) -> str:
     return f'<span style="color:#b00020">{escape(reason)}</span>'
-
-
-def comparison_html(monitors: list[LoadMonitor]) -> str:
-    """One row per finished load: time, the largest peaks against forecast, verification."""
-    rows = []
-    for m in monitors:
-        r = m.result
-        if r is None:
-            continue
-        ranks = r.ranks
-        verify = (r.verify or {}).get("ok")
-        cells = [
-            m.label,
-            f"{r.load_seconds:.2f}",
-            human_bytes(max(x.peak_rss_bytes for x in ranks)),
-            human_bytes(max(x.peak_tensor_bytes for x in ranks)),
-            human_bytes(max(x.forecast_peak_bytes for x in ranks)),
-            "-" if verify is None else verdict(verify),
-        ]
-        rows.append("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
-    if not rows:
-        return ""
-    head = "".join(
-        f"<th>{h}</th>"
-        for h in ("load", "load s", "max peak RSS growth", "max peak tensors", "forecast", "verify")
-    )
-    return (
-        "<b>Loads so far</b> (largest rank; RSS growth counts mmap'd pages)"
-        f'<table class="tpviz-summary tpviz-comparison"><tr>{head}</tr>{"".join(rows)}</table>'
-    )

@@ -337,12 +337,9 @@ class LoadMonitor(widgets.VBox):
 def summary_html(result: LoadResult) -> str:
     """The per-rank summary table of a load, its headline and its verification result."""
     headers, rows = figures.summary_rows(result)
-    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows)
     lines = [f"<b>{escape(figures.headline(result))}</b>"]
     if text := figures.verify_text(result):
         lines.append(escape(text))
     lines.append("peak RSS growth counts mmap'd checkpoint pages too")
-    return (
-        f'<div>{"<br>".join(lines)}</div><table class="tpviz-summary"><tr>{head}</tr>{body}</table>'
-    )
+    table = figures.table_html(headers, rows, "tpviz-summary")
+    return f"<div>{'<br>'.join(lines)}</div>{table}"

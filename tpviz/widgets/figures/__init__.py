@@ -6,7 +6,8 @@
 - `experts`        a MoE layer: experts x ranks, router and shared experts beside
 - `memory_series`  memory samples per rank as events arrive, and each load's forecasts
 - `memory`         memory over time: lines, forecast lines, measures, layout
-- `results`        a finished load: summary rows and table, headline, peaks vs forecasts
+- `results`        a finished load: summary rows and table, loads compared, headline, peaks
+                   vs forecasts
 
 No ipywidgets here: everything returns a `plotly.graph_objects.Figure` or plain data, so all
 that is drawn is testable headless and exportable to static HTML. `figures.X` names every
@@ -36,7 +37,15 @@ from .palette import (
     unit_for,
 )
 from .plan import bytes_by_style_figure, plan_table_figure, representative_tensor
-from .results import headline, peaks_figure, summary_figure, summary_rows, verify_text
+from .results import (
+    comparison_html,
+    headline,
+    peaks_figure,
+    summary_figure,
+    summary_rows,
+    table_html,
+    verify_text,
+)
 
 __all__ = [
     "ABSOLUTE_MEASURES",
@@ -50,6 +59,7 @@ __all__ = [
     "block_diagram_figure",
     "block_rect",
     "bytes_by_style_figure",
+    "comparison_html",
     "default_measure",
     "expert_bytes",
     "experts_grid_figure",
@@ -68,6 +78,7 @@ __all__ = [
     "style_color",
     "summary_figure",
     "summary_rows",
+    "table_html",
     "thin",
     "titled",
     "unit_for",

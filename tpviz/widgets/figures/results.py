@@ -1,9 +1,11 @@
-"""A finished load in figures: per-rank summary rows, a headline, the verification in words,
-and peaks measured beside forecasts."""
+"""A finished load in figures: per-rank summary rows (and loads compared, a row each) with
+their HTML table, a headline, the verification in words, and peaks measured beside
+forecasts."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from html import escape
 from typing import Any
 
 import plotly.graph_objects as go
@@ -46,6 +48,41 @@ def summary_rows(result: Result) -> tuple[list[str], list[list[str]]]:
             ]
         )
     return headers, rows
+
+
+def _comparison_rows(loads: Sequence[tuple[str, Result]]) -> tuple[list[str], list[list[str]]]:
+    """One row per labelled load: time, the largest rank's peaks and forecast, verification."""
+    headers = ["load", "load s", "max peak RSS growth", "max peak tensors", "forecast", "verify"]
+    rows = []
+    for label, result in loads:
+        result = LoadResult.of(result)
+        ranks, verify = result.ranks, (result.verify or {}).get("ok")
+        rows.append(
+            [
+                label,
+                f"{result.load_seconds:.2f}",
+                human_bytes(max(r.peak_rss_bytes for r in ranks)),
+                human_bytes(max(r.peak_tensor_bytes for r in ranks)),
+                human_bytes(max(r.forecast_peak_bytes for r in ranks)),
+                "-" if verify is None else verdict(verify),
+            ]
+        )
+    return headers, rows
+
+
+def comparison_html(loads: Sequence[tuple[str, Result]]) -> str:
+    """The Dashboard's loads so far, a row each (empty before the first)."""
+    if not loads:
+        return ""
+    table = table_html(*_comparison_rows(loads), "tpviz-summary tpviz-comparison")
+    return f"<b>Loads so far</b> (largest rank; RSS growth counts mmap'd pages){table}"
+
+
+def table_html(headers: list[str], rows: list[list[str]], css_class: str) -> str:
+    """Rows of text as an HTML table (escaped), for the widgets' summaries."""
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<table class="{css_class}"><tr>{head}</tr>{body}</table>'
 
 
 def headline(result: Result) -> str:
