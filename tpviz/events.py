@@ -143,10 +143,10 @@ def events_file(directory: str | os.PathLike, rank: int) -> Path:
     return Path(directory) / f"rank{rank}.jsonl"
 
 
-def rank_files(directory: str | os.PathLike) -> list[Path]:
-    """The `rank{r}.jsonl` files of an events dir, in rank order."""
-    found = [p for p in Path(directory).glob("rank*.jsonl") if p.stem[4:].isdigit()]
-    return sorted(found, key=lambda p: int(p.stem[4:]))
+def rank_files(directory: str | os.PathLike) -> dict[int, Path]:
+    """The `rank{r}.jsonl` files of an events dir by rank, in rank order."""
+    paths = Path(directory).glob("rank*.jsonl")
+    return dict(sorted((int(p.stem[4:]), p) for p in paths if p.stem[4:].isdigit()))
 
 
 def remove_rank_files(directory: str | os.PathLike, beyond: int = 0) -> None:
@@ -154,8 +154,8 @@ def remove_rank_files(directory: str | os.PathLike, beyond: int = 0) -> None:
     an events dir holds one load, so that a follower never reads the last run's `done` (or a
     rank the new load does not have) as this one's. Other files are left alone; a file that
     cannot be removed is reported by the rank that then cannot write it."""
-    for path in rank_files(directory):
-        if int(path.stem[4:]) >= beyond:
+    for rank, path in rank_files(directory).items():
+        if rank >= beyond:
             with contextlib.suppress(OSError):
                 path.unlink()
 
@@ -171,7 +171,7 @@ class JsonlTail:
 
     def read_new(self) -> list[Event]:
         out: list[Event] = []
-        for path in rank_files(self.directory):
+        for path in rank_files(self.directory).values():
             try:
                 f = open(path, encoding="utf-8")  # noqa: SIM115 - closed below
             except FileNotFoundError:  # removed by a new load since it was listed
@@ -180,7 +180,7 @@ class JsonlTail:
                 stat = os.fstat(f.fileno())
                 inode = stat.st_ino
                 known, offset = self._read.get(path, (inode, 0))
-                if known != inode or offset > stat.st_size:  # (a reused inode, shorter)
+                if known != inode or offset > stat.st_size:  # a new file, or one begun again
                     offset = 0
                     self._partial.pop(path, None)
                 f.seek(offset)
