@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError, TensorInfo, torch_dtype
 from ..events import Event, UnitDone, UnitStart
@@ -31,7 +32,7 @@ from ..strategies.executor import Unit, plan_units
 from ..strategies.reads import Read, block_view, fill_part, own_reads, whole_reads
 from .arena import ShardArena
 from .memory import prefault
-from .parallelize import install, is_distributed
+from .parallelize import SpecKey, install, is_distributed
 from .staging import PinnedStager
 
 
@@ -83,6 +84,7 @@ class LoadContext:
     make_reference: Callable[[], Reference] | None = None
     _reference: Reference | None = field(default=None, init=False, repr=False)
     _arena: ShardArena | None = field(default=None, init=False, repr=False)
+    _specs: dict[SpecKey, DTensorSpec] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -125,7 +127,7 @@ class LoadContext:
 
     def install(self, t: TensorPlan, local: torch.Tensor) -> torch.Tensor:
         mesh = self.mesh if is_distributed(self.plan, t) else None
-        install(self.model, t, local, mesh)
+        install(self.model, t, local, mesh, self._specs)
         return local  # what the installed parameter holds (the same storage)
 
     # --- collectives ------------------------------------------------------------------------

@@ -10,8 +10,6 @@ module's forward is an ordinary matmul on the rank's own blocks."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -171,12 +169,20 @@ def owner_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return owner, leaf
 
 
+SpecKey = tuple[Shard | Replicate, tuple[int, ...], torch.dtype]
+
+
 def install(
-    model: nn.Module, entry: TensorPlan, local: torch.Tensor, mesh: DeviceMesh | None
+    model: nn.Module,
+    entry: TensorPlan,
+    local: torch.Tensor,
+    mesh: DeviceMesh | None,
+    specs: dict[SpecKey, DTensorSpec],
 ) -> torch.Tensor:
     """Put this rank's real `local` tensor in place of the meta one, for `entry` and the names
     tied to it (one storage). With a mesh it is wrapped as a DTensor with the plan's
-    placement (see `is_distributed`)."""
+    placement (see `is_distributed`); `specs` are the load's DTensor specs so far, shared by
+    the parameters of one placement, shape and dtype (the same linear of every layer)."""
     owner, leaf = owner_of(model, entry.name)
     if entry.kind == "buffer":
         owner._buffers[leaf] = local
@@ -185,7 +191,11 @@ def install(
         param = nn.Parameter(local, requires_grad=False)
     else:
         dim = entry.shard_dim
-        param = _dtensor_parameter(local, mesh, Replicate() if dim is None else Shard(dim), entry)
+        key = (Replicate() if dim is None else Shard(dim), tuple(entry.global_shape), local.dtype)
+        if key not in specs:
+            specs[key] = _spec(mesh, *key)
+        param = DTensor.__new__(DTensor, local, specs[key], requires_grad=False)
+        param._is_param = True  # how nn.Parameter marks a tensor subclass (isinstance holds)
     owner._parameters[leaf] = param
     for alias in entry.tied_to:
         alias_owner, alias_leaf = owner_of(model, alias)
@@ -193,27 +203,17 @@ def install(
     return param
 
 
-def _dtensor_parameter(
-    local: torch.Tensor, mesh: DeviceMesh, placement: Shard | Replicate, entry: TensorPlan
-) -> nn.Parameter:
-    """`local` as a DTensor parameter with the plan's placement and global shape: what
-    `nn.Parameter(DTensor.from_local(local, ..., run_check=False))` makes, built directly.
-    Both of those calls pass through `torch._disable_dynamo` (DTensor's `__init__` and its
-    `__torch_dispatch__`), whose first call imports torch._dynamo: about a second, most of a
-    load under torchrun. The forward dispatches through DTensor and pays it there instead."""
-    spec = _spec(mesh, placement, tuple(entry.global_shape), local.dtype)
-    value = DTensor.__new__(DTensor, local, spec, requires_grad=False)
-    value._is_param = True  # how nn.Parameter marks a tensor subclass (isinstance holds)
-    return value
-
-
-@functools.lru_cache(maxsize=256)
 def _spec(
     mesh: DeviceMesh, placement: Shard | Replicate, shape: tuple[int, ...], dtype: torch.dtype
 ) -> DTensorSpec:
-    """One spec for every parameter of the same placement, shape and dtype (the same linear
-    of each layer): making one costs about 0.1 ms, a tenth of a medium model's load on a
-    rank. DTensors only read their spec (an op's output gets a new one), so they can share."""
+    """The spec of a DTensor parameter with the plan's placement and global shape, so that
+    `DTensor.__new__` makes what `nn.Parameter(DTensor.from_local(local, ...,
+    run_check=False))` would. Both of those calls pass through `torch._disable_dynamo`
+    (DTensor's `__init__` and its `__torch_dispatch__`), whose first call imports
+    torch._dynamo: about a second, most of a load under torchrun. The forward dispatches
+    through DTensor and pays it there instead. A spec costs about 0.1 ms to make (a tenth of
+    a medium model's load on a rank, one per tensor); DTensors only read theirs (an op's
+    output gets a new one), so parameters can share one."""
     meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype)
     return DTensorSpec(mesh, (placement,), tensor_meta=meta)
 
