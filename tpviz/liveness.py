@@ -47,8 +47,8 @@ def silence_message(rank: int, silence: float, progress: RankProgress, running: 
 
 def timeout_message(timeout: float, ranks: dict[int, RankProgress]) -> str:
     """The load outlived `timeout`: where each rank that had not loaded was."""
-    behind = [f"rank {r} {_whereabouts(p)}" for r, p in sorted(ranks.items()) if not p.loaded]
-    where = f": {', '.join(behind)}" if behind else ""
+    behind = _behind(ranks)
+    where = f": {behind}" if behind else ""
     return f"the load did not finish within its timeout ({timeout:g} s){where}"
 
 
@@ -56,12 +56,18 @@ def files_silence_message(seconds: float, directory: str, ranks: dict[int, RankP
     """No events file in `directory` has grown for `seconds`: where each rank not done was."""
     if not ranks:
         return f"nothing written to {directory} in {seconds:.0f} s: has the job started?"
-    behind = [f"rank {r} {_whereabouts(p)}" for r, p in sorted(ranks.items()) if not p.loaded]
-    where = f" ({', '.join(behind)})" if behind else ""
+    behind = _behind(ranks)
+    where = f" ({behind})" if behind else ""
     return (
         f"no rank has written an event for {seconds:.0f} s{where}: a rank "
         "that was killed writes nothing more, so the job may have ended; still following"
     )
+
+
+def _behind(ranks: dict[int, RankProgress]) -> str:
+    """Where each rank that had not loaded was, in one phrase ("" if none)."""
+    behind = [f"rank {r} {_whereabouts(p)}" for r, p in sorted(ranks.items()) if not p.loaded]
+    return ", ".join(behind)
 
 
 def _whereabouts(progress: RankProgress) -> str:

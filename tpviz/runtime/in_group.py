@@ -55,10 +55,11 @@ def load_sharded(
     choices = dict(dtype=dtype, model=model, kv_replication=kv_replication, experts=experts)
     options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
     rank = dist.get_rank()
-    sink = EventSink(rank, events_dir=_own_events_dir(events_dir, source))
+    directory, unusable = _own_events_dir(events_dir, source)
+    sink = EventSink(rank, events_dir=directory)
     try:
         resolved, found = _resolve_on_rank0(source, plan, choices, options)
-        _agree(resolved, options, events_dir, dict(source=source, plan=plan, **choices))
+        _agree(resolved, options, unusable, dict(source=source, plan=plan, **choices))
         return load_in_group(resolved, options, sink, local, found)
     except BaseException as e:  # the rank's file ends with why, for those who follow it
         sink.emit(failure_event(rank, e))
@@ -67,21 +68,22 @@ def load_sharded(
         sink.close()
 
 
-def _own_events_dir(events_dir: str | os.PathLike | None, source: str | os.PathLike) -> str | None:
-    """Where this rank writes its events from the start, so that even a failure before
-    loading ends its file; None without a dir, or where it cannot be used (`_agree` then
-    fails every rank naming it). Each rank's file starts empty; rank 0 removes the files of
-    ranks beyond this world (an earlier, larger load's), which a follower would take for
-    this load's."""
+def _own_events_dir(
+    events_dir: str | os.PathLike | None, source: str | os.PathLike
+) -> tuple[str | None, str | None]:
+    """(where this rank writes its events from the start, so that even a failure before
+    loading ends its file; why it cannot, which `_agree` says on every rank). Each rank's
+    file starts empty; rank 0 removes the files of ranks beyond this world (an earlier,
+    larger load's), which a follower would take for this load's."""
     if not events_dir:
-        return None
+        return None, None
     try:
         directory = check_output_dir(events_dir, "events dir", source)
-    except OutputPathError:
-        return None
+    except OutputPathError as e:
+        return None, str(e)
     if dist.get_rank() == 0:
         remove_rank_files(directory, beyond=dist.get_world_size())
-    return directory
+    return directory, None
 
 
 def _resolve_on_rank0(
@@ -117,19 +119,17 @@ def _resolve_on_rank0(
 def _agree(
     plan: ResolvedPlan,
     options: LoadOptions,
-    events_dir: str | os.PathLike | None,
+    problem: str | None,
     request: dict[str, Any],
 ) -> None:
     """Check, on every rank and before anything is loaded, what each rank was asked: outputs
     outside the checkpoint (tpviz never writes there) and the same load as rank 0's: the
     same source, plan and choices (every rank reads the plan's source: one given another
     would get rank 0's model without a word) and strategy (a rank running another would wait
-    in collectives its peers never enter). One rank's problem fails them all, with the same
-    error."""
-    problem, mine = None, None
+    in collectives its peers never enter). One rank's problem (`problem`: its events dir's)
+    fails them all, with the same error."""
+    mine = None
     try:
-        if events_dir:
-            check_output_dir(events_dir, "events dir", plan.source)
         if options.profile_dir:
             options.profile_dir = check_output_dir(options.profile_dir, "profile dir", plan.source)
         load = dict(strategy=options.strategy, init=options.init, seed=options.seed)
