@@ -156,14 +156,15 @@ def test_attention_sinks_left_whole_by_a_plan_are_sharded_by_head(tmp_path):
     assert {w.code for w in plan.warnings} == {"sharded_by_head"}
 
 
-def test_a_norm_spanning_all_heads_of_a_cut_projection_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("o_proj", ["rowwise", None])
+def test_a_norm_spanning_all_heads_of_a_cut_projection_is_refused(tmp_path, capsys, o_proj):
     # OLMo-2 normalises q and k over all heads at once; transformers' plan gathers them, a
-    # plan that keeps them sharded by head cannot run
+    # plan that keeps them sharded by head cannot run. A whole o_proj puts out as many
+    # features as q_norm holds, yet takes the heads in: q_norm is not taken for its norm
     transformers.AutoConfig.for_model("olmo2", **DIMS).save_pretrained(tmp_path / "olmo2")
-    plan = {
-        **{f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
-        "layers.*.self_attn.o_proj": "rowwise",
-    }
+    plan = {f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"}
+    if o_proj:
+        plan["layers.*.self_attn.o_proj"] = o_proj
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     argv = ["plan", str(tmp_path / "olmo2"), "--plan", str(tmp_path / "plan.json"), "--json"]
     assert cli.main(argv) == 2
@@ -171,3 +172,28 @@ def test_a_norm_spanning_all_heads_of_a_cut_projection_is_refused(tmp_path, caps
     assert {e["code"] for e in errors} == {"head_parameter"}
     assert errors[0]["name"] == "model.layers.0.self_attn.q_norm"
     assert "colwise_gather_output" in errors[0]["message"]
+
+
+def test_a_latent_norm_as_wide_as_all_heads_is_not_taken_for_theirs(tmp_path):
+    # DeepSeek-V3's q_a_layernorm normalises q_a_proj's latent (q_lora_rank) before q_b_proj;
+    # here that latent is as wide as q_b_proj's 8 heads x 24 features, which once read as a norm
+    # spanning all heads and refused transformers' own plan
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v3",
+        **dict(DIMS, num_key_value_heads=8),
+        q_lora_rank=192,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+    )
+    config.save_pretrained(tmp_path)
+    plan = tpviz.resolve_plan(tmp_path, 2)
+    assert not plan.errors
+    assert plan.tensor("model.layers.0.self_attn.q_a_layernorm.weight").placement == "replicate"
+    assert tpviz.simulate_plan(plan).ok

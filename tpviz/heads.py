@@ -226,21 +226,35 @@ def head_params(model: nn.Module, cuts: list[HeadCut]) -> list[HeadParam]:
     found = []
     for attn, attn_cuts in by_attention.items():
         module = model.get_submodule(attn)
-        sizes = _head_sizes(module)
-        for mod_name, owner in module.named_modules(prefix=attn):
+        modules = dict(module.named_modules(prefix=attn))
+        # all heads' features as the cut projections put them out (dim 0: a weight's rows)
+        head_outputs = {c.shape[0] // c.parts for c in attn_cuts if c.dim == 0}
+        # a norm as wide as the output of a linear the plan leaves whole may be that linear's
+        # (latent attention's q_a_layernorm after q_a_proj), however many heads' features it
+        # equals: not refused, unless that linear takes the heads in (a whole o_proj)
+        widths = _head_sizes(module) | {
+            m.out_features
+            for n, m in modules.items()
+            if isinstance(m, nn.Linear)
+            and n not in cut_modules
+            and m.in_features not in head_outputs
+        }
+        for mod_name, owner in modules.items():
             if mod_name in cut_modules or isinstance(owner, (nn.Linear, nn.Embedding)):
                 continue
             for leaf, p in owner.named_parameters(recurse=False):
-                held = _holds_heads(p, owner is module, attn_cuts, sizes)
+                held = _holds_heads(p, owner is module, attn_cuts, widths)
                 if held:
                     found.append(HeadParam(f"{mod_name}.{leaf}", mod_name, *held))
     return found
 
 
 def _holds_heads(
-    p: nn.Parameter, bare: bool, cuts: list[HeadCut], sizes: set[int]
+    p: nn.Parameter, bare: bool, cuts: list[HeadCut], other_widths: set[int]
 ) -> tuple[str, bool] | None:
-    """(the cut projection whose heads `p` holds, whether it spans all of them) or None."""
+    """(the cut projection whose heads `p` holds, whether it spans all of them) or None. A
+    1-D `p` as wide as one of `other_widths` (a head size, a whole linear's output) is taken
+    to belong to that instead."""
     if p.dim() == 0:
         return None
     for c in cuts:
@@ -249,6 +263,6 @@ def _holds_heads(
             return c.module, False
     for c in cuts:
         width = c.shape[c.dim] // c.parts
-        if p.dim() == 1 and p.shape[0] == width and width not in sizes:
+        if p.dim() == 1 and p.shape[0] == width and width not in other_widths:
             return c.module, True
     return None
