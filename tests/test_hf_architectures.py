@@ -51,6 +51,8 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "phi": ("phi", {}),
     "nemotron": ("nemotron", {}),
     "bitnet": ("bitnet", {}),
+    # head_dim set per layer: the full-attention layers' heads are twice as wide
+    "gemma4_text": ("gemma4_text", dict(vocab_size_per_layer_input=1003)),
     # 6 heads / 3 kv heads over 3 ranks; the MLP (256) and the vocabulary (1003) split unevenly
     "starcoder2_uneven": (
         "starcoder2",
@@ -197,3 +199,18 @@ def test_a_latent_norm_as_wide_as_all_heads_is_not_taken_for_theirs(tmp_path):
     assert not plan.errors
     assert plan.tensor("model.layers.0.self_attn.q_a_layernorm.weight").placement == "replicate"
     assert tpviz.simulate_plan(plan).ok
+
+
+def test_head_sizes_set_per_layer_are_read_from_each_layers_attention(tmp_path):
+    # Gemma-4's config sets head_dim per layer (its full-attention layers' heads are wider);
+    # transformers refuses a global read of it, so each attention module's own head_dim counts
+    make_config("gemma4_text").save_pretrained(tmp_path)
+    plan = tpviz.resolve_plan(tmp_path, 4)
+    assert not plan.errors
+    widths = [
+        plan.tensor(f"model.layers.{i}.self_attn.q_proj.weight").global_shape[0] for i in (0, 1)
+    ]
+    assert widths == [8 * 256, 8 * 512]
+    assert tpviz.simulate_plan(plan).ok
+    (error,) = tpviz.resolve_plan(tmp_path, 16).errors
+    assert error.code == "head_alignment" and "world sizes that work: 1, 2, 4, 8" in error.message

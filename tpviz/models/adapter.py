@@ -29,7 +29,17 @@ class HeadCounts:
     @classmethod
     def from_config(cls, config: Any) -> HeadCounts | None:
         """From a config dict or object (transformers' maps `n_head` and such onto these)."""
-        get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+
+        def get(key: str) -> Any:
+            if isinstance(config, dict):
+                return config.get(key)
+            try:
+                return getattr(config, key, None)
+            except RuntimeError:
+                # a heterogeneous transformers config (Gemma-4's head_dim) refuses a global
+                # read of what it sets per layer: unknown here, each attention module says it
+                return None
+
         heads = get("num_attention_heads")
         if not isinstance(heads, int) or heads < 1:
             return None
