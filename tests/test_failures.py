@@ -354,6 +354,24 @@ def test_a_script_without_the_main_guard_gets_the_message_alone(tmp_path, tiny):
     assert len(run.stderr.splitlines()) < 15, run.stderr
 
 
+def test_a_program_read_from_stdin_is_told_to_run_from_a_file(tmp_path, tiny):
+    # each rank imports __main__ from its file: `<stdin>` is none, and the ranks could not start
+    guarded = "import sys, tpviz\nif __name__ == '__main__':\n    tpviz.launch(sys.argv[1], 2)\n"
+    run = subprocess.run(
+        [sys.executable, "-", str(tiny)],
+        input=guarded,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)},
+    )
+    assert run.returncode == 1
+    assert "this program was read from <stdin>, not from a file" in run.stderr
+    assert "save the program to a file" in run.stderr
+    assert os.listdir(tmp_path) == []  # no rank server was started, nothing left
+
+
 @pytest.mark.slow
 def test_cancel_during_a_reload_and_a_rank_dying_between_loads(tiny):
     job = tpviz.launch(tiny, 2)

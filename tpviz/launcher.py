@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -104,6 +105,23 @@ def _end_rank_running_an_unguarded_script() -> None:
         raise SystemExit(1)
 
 
+def _check_main_importable() -> None:
+    """Each rank imports the caller's `__main__` as multiprocessing's spawn does: by module
+    name, else from its file. A program read from standard input (`python - < script.py`)
+    names a file that is not there, `<stdin>`, and every rank would fail to start with a bare
+    broken pipe: say so before any starts."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return
+    path = getattr(main, "__file__", None)
+    if path and not os.path.isfile(os.path.join(multiprocessing.process.ORIGINAL_DIR or "", path)):
+        raise RuntimeError(
+            f"this program was read from {path}, not from a file: each rank imports the "
+            f"caller's __main__ from its file, as multiprocessing does; save the program to a "
+            f"file and run that (or call tpviz.launch from a notebook or `python -c`)"
+        )
+
+
 def _check_device(device: str, world_size: int) -> None:
     if device == "cuda":
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -152,6 +170,7 @@ def launch(
     within twice that fails the job too.
     `kv_replication=False` refuses world sizes past the key-value heads (see `resolve_plan`)."""
     _end_rank_running_an_unguarded_script()
+    _check_main_importable()
     request = dict(locals())
     # the server's imports (torch; transformers for its models) overlap resolving the plan
     start_server(rank_imports(source, model))
