@@ -223,14 +223,16 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def placement_of(tensor: torch.Tensor, entry: TensorPlan) -> str:
-    """How the tensor is really placed: a DTensor's placement, else `replicate` for a whole
-    tensor and `local` for a plain tensor that holds a shard (packed styles)."""
+    """How the tensor is really placed: a DTensor's placement, else, for a plain tensor (packed
+    styles), `local` where it holds less than the whole or the plan shards it (on one rank the
+    shard is the whole), `replicate` otherwise; its shape is checked on its own."""
     if isinstance(tensor, DTensor):
         (p,) = tensor.placements
         if isinstance(p, Shard):
             return f"shard({p.dim % tensor.dim()})"
         return "replicate" if isinstance(p, Replicate) else str(p)
-    return "replicate" if list(tensor.shape) == entry.global_shape else "local"
+    whole = list(tensor.shape) == entry.global_shape
+    return "replicate" if whole and entry.shard_dim is None else "local"
 
 
 def lookup(model: nn.Module, name: str) -> torch.Tensor:
