@@ -34,6 +34,14 @@ MODELS = {  # name: (model_type, config overrides, dtype saved)
         torch.bfloat16,
     ),
     "falcon": ("falcon", {"num_key_value_heads": None, "intermediate_size": None}, torch.float32),
+    # saved with q, k and v fused into one query_key_value, which transformers splits as it
+    # loads: by the targets' sizes (Split; 8 query and 4 key-value heads), or evenly (Chunk)
+    "sarvam_moe": (
+        "sarvam_moe",
+        dict(num_experts=4, moe_intermediate_size=48, num_experts_per_tok=2),
+        torch.float32,
+    ),
+    "hrm_text": ("hrm_text", {}, torch.float32),
 }
 ROTARY = ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
 
@@ -253,6 +261,51 @@ def test_stacked_experts_list_their_checkpoint_tensors(hf_checkpoints):
     assert down.combine == "stack(0)" and down.source_dtype == "bfloat16"
     again = tpviz.ResolvedPlan.from_json(plan.to_json())
     assert again.tensor(gate_up.name).sources == gate_up.sources
+
+
+# --- tensors split from one checkpoint tensor -------------------------------------------------
+
+
+def test_a_fused_projection_is_split_into_the_models_tensors(hf_checkpoints):
+    plan = tpviz.resolve_plan(hf_checkpoints["sarvam_moe"], 2)
+    assert not plan.errors, plan.errors
+    fused = "model.layers.1.attention.query_key_value.weight"  # rows [q | k | v]
+    parts = [plan.tensor(f"model.layers.1.self_attn.{p}_proj.weight") for p in "qkv"]
+    assert [(t.checkpoint_keys, t.combine, t.global_shape) for t in parts] == [
+        ([fused], "split(0)", [512, 128]),
+        ([fused], "split(0)", [256, 128]),
+        ([fused], "split(0)", [256, 128]),
+    ]
+    # each part sees the whole fused tensor placed where it lies relative to the part
+    assert [(t.sources[0].offset, t.sources[0].shape) for t in parts] == [
+        ([0, 0], [1024, 128]),
+        ([-512, 0], [1024, 128]),
+        ([-768, 0], [1024, 128]),
+    ]
+    assert [r.shape for r in parts[1].ranks] == [[128, 128]] * 2  # by head, as planned
+    chunked = tpviz.resolve_plan(hf_checkpoints["hrm_text"], 2)
+    assert not chunked.errors, chunked.errors
+    gate = chunked.tensor("model.L_module.layers.0.mlp.gate_proj.weight")
+    assert gate.combine == "chunk(0)" and gate.checkpoint_keys[0].endswith(
+        "mlp.gate_up_proj.weight"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, strategy",
+    [("sarvam_moe", "sliced"), ("sarvam_moe", "rank0_broadcast"), ("hrm_text", "sliced")],
+)
+def test_each_rank_reads_its_rows_of_a_fused_projection(hf_checkpoints, name, strategy):
+    source = hf_checkpoints[name]
+    with tpviz.launch(source, 2, strategy=strategy) as job:
+        result = job.wait(180)
+        logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
+    assert result["plan_matches_shards"]
+    assert all(r["peak_tensor_bytes"] == r["forecast_peak_bytes"] for r in result["ranks"])
+    with torch.no_grad():
+        expected = hf_model(source)(torch.tensor(FIXED_PROMPT) % 1003).logits
+    assert (logits - expected).abs().max().item() <= 1e-4
 
 
 # experts cut along their features: gate_up_proj one block of each of gate and up per rank,

@@ -1,5 +1,5 @@
 """Assembled tensors: a source's box in the model tensor, read block by block from a real
-safetensors file, rebuilds exactly what torch.stack / torch.cat make."""
+safetensors file, rebuilds exactly what torch.stack / torch.cat / torch.split make."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import torch
 from safetensors.torch import save_file
 
 from tpviz.checkpoint import BlockReader, Checkpoint
-from tpviz.keymap import Layout, cat, pieces, stack
+from tpviz.keymap import Layout, cat, pieces, split, stack
 from tpviz.plan import local_shape, shard_blocks
 
 
 def _assemble(rnd: random.Random, g: torch.Generator):
     """Random per-expert gate/up tensors stacked then concatenated (as MoE checkpoints are),
-    and two 2-D tensors concatenated along their columns."""
+    two 2-D tensors concatenated along their columns, and split again (parts that cut
+    through a source and span two)."""
     experts, rows, rows2, cols = (rnd.randint(1, 5) for _ in range(4))
     t = {}
     for e in range(experts):
@@ -40,6 +41,12 @@ def _assemble(rnd: random.Random, g: torch.Generator):
             torch.stack([t[k] for k in gates], 2),
         ),
     ]
+    fused = cat([Layout.of("a", t["a"].shape), Layout.of("b", t["b"].shape)], 1)
+    width = fused.shape[1]
+    cut = sorted(rnd.sample(range(1, width), min(2, width - 1)))
+    sizes = [b - a for a, b in zip([0, *cut], [*cut, width])]
+    whole = torch.cat([t["a"], t["b"]], 1)
+    cases += zip(split(fused, 1, sizes), torch.split(whole, sizes, 1))
     return t, cases
 
 

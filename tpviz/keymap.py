@@ -1,11 +1,13 @@
 """Checkpoint keys -> model tensors: renamed keys, and tensors assembled from several keys.
 
 A model class may name a tensor differently from its checkpoints (transformers renames keys
-as it loads) or build one tensor from several checkpoint tensors (per-expert weights stacked
-into one, projections concatenated). A `Source` says where one checkpoint tensor lies in the
-model tensor: a box, offset and shape per dim of the model tensor. Stacking gives the box a
-new dim of size 1, which leaves the source's row-major byte order as it is, so any sub-box of
-the box can be read as a block of the source seen with the box's shape.
+as it loads), build one tensor from several checkpoint tensors (per-expert weights stacked
+into one, projections concatenated), or several from one (a fused q/k/v split into q, k and
+v). A `Source` says where one checkpoint tensor lies in the model tensor: a box, offset and
+shape per dim of the model tensor. Stacking gives the box a new dim of size 1, which leaves the
+source's row-major byte order as it is, so any sub-box of the box can be read as a block of the
+source seen with the box's shape. A split leaves the box where it lies relative to each part,
+reaching past the part's edges (a negative offset): only its overlap with a block is read.
 """
 
 from __future__ import annotations
@@ -79,6 +81,27 @@ def cat(layouts: Sequence[Layout], dim: int) -> Layout:
     shape = list(first)
     shape[dim] = start
     return Layout(shape, sources)
+
+
+def split(layout: Layout, dim: int, sizes: Sequence[int]) -> list[Layout]:
+    """`torch.split` of the layout along `dim` into parts of `sizes`: each part keeps the
+    sources it overlaps, their boxes placed relative to the part."""
+    dim = dim % len(layout.shape)
+    if sum(sizes) != layout.shape[dim] or min(sizes, default=0) < 1:
+        raise KeyMapError(f"cannot split {layout.shape[dim]} along dim {dim} into {list(sizes)}")
+    parts, start = [], 0
+    for size in sizes:
+        sources = []
+        for s in layout.sources:
+            if s.offset[dim] < start + size and s.offset[dim] + s.shape[dim] > start:
+                offset = list(s.offset)
+                offset[dim] -= start
+                sources.append(Source(s.key, offset, list(s.shape)))
+        shape = list(layout.shape)
+        shape[dim] = size
+        parts.append(Layout(shape, sources))
+        start += size
+    return parts
 
 
 @dataclass

@@ -3,10 +3,11 @@
 transformers keeps, per model type and class, a list of `WeightRenaming`s (renames such as
 GPT-NeoX's `embed_out.` -> `lm_head.`, legacy `LayerNorm.gamma`) and `WeightConverter`s (several
 checkpoint tensors made into one parameter by operations such as `MergeModulelist`, a stack,
-and `Concatenate`). tpviz asks transformers for that list (`get_model_conversion_mapping`) and
-renames every key with transformers' own `rename_source_key`, so the table cannot drift; the
-operations are replayed on shapes only (`tpviz.keymap`), which tells each rank which boxes of
-which source tensors hold its slice.
+and `Concatenate`; or one made into several by a last `Split` or `Chunk`, such as a fused
+`query_key_value` into q, k and v). tpviz asks transformers for that list
+(`get_model_conversion_mapping`) and renames every key with transformers' own
+`rename_source_key`, so the table cannot drift; the operations are replayed on shapes only
+(`tpviz.keymap`), which tells each rank which boxes of which source tensors hold its slice.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from ..keymap import Assembly, KeyMap, KeyMapError, Layout, cat, stack
+from ..keymap import Assembly, KeyMap, KeyMapError, Layout, cat, split, stack
 
 
 def checkpoint_map(model: nn.Module, shapes: Mapping[str, Sequence[int]]) -> KeyMap:
@@ -31,7 +32,8 @@ def checkpoint_map(model: nn.Module, shapes: Mapping[str, Sequence[int]]) -> Key
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
-    state = dict.fromkeys(model.state_dict(), True)
+    model_shapes = {n: list(t.shape) for n, t in model.state_dict().items()}
+    state = dict.fromkeys(model_shapes, True)
     prefix = model.base_model_prefix
     plain: dict[str, str] = {}
     unexpected: dict[str, list[str]] = {}  # renamed -> checkpoint keys the model lacks
@@ -52,16 +54,28 @@ def checkpoint_map(model: nn.Module, shapes: Mapping[str, Sequence[int]]) -> Key
     result = KeyMap({n: Assembly([k], list(shapes[k])) for n, k in plain.items()})
     result.ignored = {k for n in _ignored(model, set(unexpected)) for k in unexpected[n]}
     for name, (converter, collected) in grouped.items():
+        names = _target_names(converter, name)
         try:
-            result.assemblies[name] = _assemble(converter, collected, shapes)
+            result.assemblies.update(_assemble(converter, names, collected, shapes, model_shapes))
         except KeyMapError as e:
             keys = [k for ks in collected.values() for k in ks]
-            error = (
-                f"{name}: transformers builds it from {', '.join(keys[:3])}"
-                f"{' ...' if len(keys) > 3 else ''} with {_ops(converter)}; {e}"
-            )
-            result.assemblies[name] = Assembly(keys, [], error=error)
+            for target in names:
+                error = (
+                    f"{target}: transformers builds it from {', '.join(keys[:3])}"
+                    f"{' ...' if len(keys) > 3 else ''} with {_ops(converter)}; {e}"
+                )
+                result.assemblies[target] = Assembly(keys, [], error=error)
     return result
+
+
+def _target_names(converter, name: str) -> list[str]:
+    """The model tensors a converter makes; `name` is the first, the one transformers renames
+    its source keys to, and the others differ from it in that target's pattern alone."""
+    targets = converter.target_patterns
+    if len(targets) < 2 or targets[0] not in name:
+        return [name]
+    before, _, after = name.partition(targets[0])
+    return [before + target + after for target in targets]
 
 
 def _ignored(model: nn.Module, unexpected: set[str]) -> set[str]:
@@ -110,8 +124,11 @@ def _last_index(key: str) -> int | None:
     return numbers[-1] if numbers else None
 
 
-def _assemble(converter, collected: dict[str, list[str]], shapes) -> Assembly:
-    """Replay the converter's operations on the shapes of its source tensors."""
+def _assemble(
+    converter, names: list[str], collected: dict[str, list[str]], shapes, model_shapes
+) -> dict[str, Assembly]:
+    """Replay the converter's operations on the shapes of its source tensors: the assembly of
+    each model tensor in `names`."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
     if any(isinstance(op, MergeModulelist) for op in converter.operations):
@@ -129,15 +146,50 @@ def _assemble(converter, collected: dict[str, list[str]], shapes) -> Assembly:
             ordered = [lay for p in converter.source_patterns for lay in value.get(p, [])]
             value = {"": [cat(ordered, op.dim)]}
             steps.append(f"cat({op.dim})")
+        elif _splits(op) and op is converter.operations[-1] and len(names) > 1:
+            (whole,) = _one_layout(value)
+            sizes = _split_sizes(op, whole, names, model_shapes)
+            value = {n: [part] for n, part in zip(names, split(whole, op.dim, sizes))}
+            steps.append(f"{type(op).__name__.lower()}({op.dim})")
         else:
             raise KeyMapError(
-                f"tpviz reads tensors stacked (MergeModulelist) or concatenated (Concatenate) "
-                f"from checkpoint tensors, not {type(op).__name__}; save the checkpoint with the "
-                "model's own tensor names"
+                "tpviz reads tensors stacked (MergeModulelist), concatenated (Concatenate) or "
+                f"split last (Split, Chunk) from checkpoint tensors, not {type(op).__name__} "
+                "there; save the checkpoint with the model's own tensor names"
             )
+    if len(names) == 1:
+        value = {names[0]: _one_layout(value)}
+    combine = ", ".join(steps)
+    return {
+        n: Assembly([s.key for s in lay.sources], lay.shape, lay.sources, combine)
+        for n, (lay,) in value.items()
+    }
+
+
+def _splits(op) -> bool:
+    """A Split, or a Chunk into as many parts as the converter has targets."""
+    from transformers.core_model_loading import Chunk, Split
+
+    return isinstance(op, Split) or (isinstance(op, Chunk) and op.num_shards_attribute is None)
+
+
+def _one_layout(value: dict[str, list[Layout]]) -> list[Layout]:
     layouts = [lay for lays in value.values() for lay in lays]
     if len(layouts) != 1:
         raise KeyMapError(f"its operations leave {len(layouts)} tensors, not one")
-    (layout,) = layouts
-    keys = [s.key for s in layout.sources]
-    return Assembly(keys, layout.shape, layout.sources, ", ".join(steps))
+    return layouts
+
+
+def _split_sizes(op, whole: Layout, names: list[str], model_shapes) -> list[int]:
+    """A Split's parts are as long as its targets are in the model; a Chunk's are equal."""
+    from transformers.core_model_loading import Split
+
+    length = whole.shape[op.dim]
+    if isinstance(op, Split):
+        if any(n not in model_shapes for n in names):
+            missing = next(n for n in names if n not in model_shapes)
+            raise KeyMapError(f"the model has no {missing} to split into")
+        return [model_shapes[n][op.dim] for n in names]
+    if length % len(names):
+        raise KeyMapError(f"{length} does not chunk evenly into {len(names)} tensors")
+    return [length // len(names)] * len(names)
