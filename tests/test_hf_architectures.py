@@ -214,3 +214,31 @@ def test_head_sizes_set_per_layer_are_read_from_each_layers_attention(tmp_path):
     assert tpviz.simulate_plan(plan).ok
     (error,) = tpviz.resolve_plan(tmp_path, 16).errors
     assert error.code == "head_alignment" and "world sizes that work: 1, 2, 4, 8" in error.message
+
+
+def test_heads_are_checked_in_an_attention_that_holds_another(tmp_path):
+    # DeepSeek-V3.2's attention holds an indexer with heads of its own (index_head_dim): the
+    # outer attention's projections were once left unchecked, and 3 ranks cut its 8 heads
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v32",
+        **dict(DIMS, num_key_value_heads=8),
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_n_heads=4,
+        index_head_dim=32,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+    )
+    config.save_pretrained(tmp_path)
+    (error,) = tpviz.resolve_plan(tmp_path, 3).errors
+    assert error.code == "head_alignment"
+    assert error.name == "model.layers.0.self_attn.q_b_proj"
+    assert "world sizes that work: 1, 2, 4, 8" in error.message
+    plan = tpviz.resolve_plan(tmp_path, 2)
+    assert not plan.errors and tpviz.simulate_plan(plan).ok

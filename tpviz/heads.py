@@ -1,7 +1,8 @@
 """Attention heads in a plan, found from the model's structure rather than from module names.
 
 An attention module is one that declares a head size (`head_dim`, `head_size`, `v_head_dim`,
-...) or whose class is named `...Attention`, innermost if they nest. A projection inside one
+...) or whose class is named `...Attention`; where they nest (DeepSeek-V3.2's indexer, with
+heads of its own, inside its attention), a module belongs to the innermost. A projection inside one
 that the plan cuts with a style that leaves its features local (colwise's output, rowwise's
 input) carries heads when the cut dim is a whole number of heads: `heads` or `kv_heads` blocks,
 each a multiple of a head size (q/k/v/o, GPT-NeoX's interleaved fused qkv with three head sizes
@@ -70,14 +71,13 @@ def _head_sizes(module: nn.Module) -> set[int]:
 
 
 def attention_modules(model: nn.Module) -> dict[str, set[int]]:
-    """Innermost attention modules -> the head sizes they declare."""
+    """Attention modules -> the head sizes they declare."""
     found: dict[str, set[int]] = {}
     for name, m in model.named_modules():
         sizes = _head_sizes(m)
-        if sizes or type(m).__name__.endswith("Attention"):
+        if name and (sizes or type(m).__name__.endswith("Attention")):
             found[name] = sizes
-    outer = {".".join(n.split(".")[:i]) for n in found if n for i in range(n.count(".") + 1)}
-    return {n: d for n, d in found.items() if n not in outer}
+    return found
 
 
 def _counts(module: nn.Module, counts: HeadCounts) -> tuple[int, int]:
@@ -223,10 +223,16 @@ def head_params(model: nn.Module, cuts: list[HeadCut]) -> list[HeadParam]:
     for c in cuts:
         by_attention.setdefault(c.attention, []).append(c)
     cut_modules = {c.module for c in cuts}
+    attention = attention_modules(model) if cuts else {}
     found = []
     for attn, attn_cuts in by_attention.items():
         module = model.get_submodule(attn)
-        modules = dict(module.named_modules(prefix=attn))
+        # its own modules: not those of an attention nested in it, whose heads are its own
+        modules = {
+            n: m
+            for n, m in module.named_modules(prefix=attn)
+            if n == attn or (n not in attention and _owner(n, attention) == attn)
+        }
         # all heads' features as the cut projections put them out (dim 0: a weight's rows)
         head_outputs = {c.shape[0] // c.parts for c in attn_cuts if c.dim == 0}
         # a norm as wide as the output of a linear the plan leaves whole may be that linear's
