@@ -147,7 +147,7 @@ def _assemble(
             value = {"": [cat(ordered, op.dim)]}
             steps.append(f"cat({op.dim})")
         elif _splits(op) and op is converter.operations[-1] and len(names) > 1:
-            (whole,) = _one_layout(value)
+            whole = _one_layout(value)
             sizes = _split_sizes(op, whole, names, model_shapes)
             value = {n: [part] for n, part in zip(names, split(whole, op.dim, sizes))}
             steps.append(f"{type(op).__name__.lower()}({op.dim})")
@@ -158,7 +158,7 @@ def _assemble(
                 "there; save the checkpoint with the model's own tensor names"
             )
     if len(names) == 1:
-        value = {names[0]: _one_layout(value)}
+        value = {names[0]: [_one_layout(value)]}
     combine = ", ".join(steps)
     return {
         n: Assembly([s.key for s in lay.sources], lay.shape, lay.sources, combine)
@@ -173,11 +173,11 @@ def _splits(op) -> bool:
     return isinstance(op, Split) or (isinstance(op, Chunk) and op.num_shards_attribute is None)
 
 
-def _one_layout(value: dict[str, list[Layout]]) -> list[Layout]:
+def _one_layout(value: dict[str, list[Layout]]) -> Layout:
     layouts = [lay for lays in value.values() for lay in lays]
     if len(layouts) != 1:
         raise KeyMapError(f"its operations leave {len(layouts)} tensors, not one")
-    return layouts
+    return layouts[0]
 
 
 def _split_sizes(op, whole: Layout, names: list[str], model_shapes) -> list[int]:
@@ -186,9 +186,9 @@ def _split_sizes(op, whole: Layout, names: list[str], model_shapes) -> list[int]
 
     length = whole.shape[op.dim]
     if isinstance(op, Split):
-        if any(n not in model_shapes for n in names):
-            missing = next(n for n in names if n not in model_shapes)
-            raise KeyMapError(f"the model has no {missing} to split into")
+        missing = [n for n in names if n not in model_shapes]
+        if missing:
+            raise KeyMapError(f"the model has no {missing[0]} to split into")
         return [model_shapes[n][op.dim] for n in names]
     if length % len(names):
         raise KeyMapError(f"{length} does not chunk evenly into {len(names)} tensors")
