@@ -3,7 +3,27 @@ rank's traceback beside it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from .events import Error
+
+
+def failing_module(error: BaseException, model: Any) -> str | None:
+    """The innermost of `model`'s modules (a torch `nn.Module`) whose code was running when
+    `error` was raised, read from the traceback (its frames' `self`); None when none was,
+    "" for the top-level module."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        found = names.get(id(owner), found)
+        tb = tb.tb_next
+    return found
+
+
+def failed_in(module: str | None) -> str:
+    """` in <module>` for a message, from `failing_module`'s answer ("" when it had none)."""
+    return "" if module is None else f" in {module or 'the top-level module'}"
 
 
 class LoadError(RuntimeError):

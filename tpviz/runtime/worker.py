@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout  # it has no public name yet
 
+from ..errors import failed_in, failing_module
 from ..events import Phase, RankPhase
 from ..messages import Beat, Command, CommandName, Reply
 from .channel import Channel
@@ -150,10 +151,13 @@ def _run_command(loaded: ShardedModel, command: Command) -> Reply:
 
 
 def _failed(loaded: ShardedModel, command: Command, error: Exception, why: str = "") -> Reply:
-    """A command's failure: one line for the caller, the traceback beside it."""
+    """A command's failure: one line for the caller, naming the module that raised it where
+    one did (a plan whose styles do not compose fails in the module they break), the
+    traceback beside it."""
     said = error_text(error)
     kind = type(error).__name__
-    text = f"rank {loaded.rank}: {command.name} failed: {why}{kind}"
+    where = failed_in(failing_module(error, loaded.model))
+    text = f"rank {loaded.rank}: {command.name} failed{where}: {why}{kind}"
     text += f": {said}" if said != kind else ""
     return Reply(command.command_id, False, text, traceback.format_exc())
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..chunks import Block
+from ..errors import failed_in, failing_module
 from ..format import first_line
 from ..plan import ResolvedPlan, TensorPlan
 from ..plan.experts import local_experts
@@ -166,7 +167,7 @@ def run_ranks(
         # the rank that failed first, not one its abort stopped at a collective
         aborted = threading.BrokenBarrierError
         rank = next((r for r in failed if not isinstance(errors[r], aborted)), failed[0])
-        raise RankForwardError(rank, _failing_module(errors[rank], copies[rank]), errors[rank])
+        raise RankForwardError(rank, failing_module(errors[rank], copies[rank]), errors[rank])
     return results
 
 
@@ -174,20 +175,8 @@ class RankForwardError(RuntimeError):
     """A simulated rank's forward failed; `module` is the innermost module it was running."""
 
     def __init__(self, rank: int, module: str | None, error: BaseException):
-        where = "" if module is None else f" in {module or 'the top-level module'}"
         super().__init__(
-            f"rank {rank}'s forward fails{where} ({type(error).__name__}: {first_line(error)})"
+            f"rank {rank}'s forward fails{failed_in(module)} "
+            f"({type(error).__name__}: {first_line(error)})"
         )
         self.rank, self.module = rank, module
-
-
-def _failing_module(error: BaseException, model: nn.Module) -> str | None:
-    """The innermost of `model`'s modules whose code was running when `error` was raised,
-    read from the traceback (its frames' `self`); None when none was."""
-    names = {id(m): name for name, m in model.named_modules()}
-    found, tb = None, error.__traceback__
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        found = names.get(id(owner), found)
-        tb = tb.tb_next
-    return found
