@@ -586,3 +586,17 @@ def test_shipped_model_code_is_refused_whatever_auto_would_pick(ck, capsys):
     assert "config.json names its own model code (auto_map)" in err
     assert "--model hf-remote-code" in err and "--model hf" in err
     assert main(["plan", str(ck), "--model", "builtin"]) == 0  # code the user names runs
+
+
+@pytest.mark.parametrize("scope", ["", "text_config"])
+def test_quantized_weights_are_refused_by_name_not_as_unexpected_tensors(ck, capsys, scope):
+    config = json.loads((ck / "config.json").read_text())
+    quantized = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    config.update({scope: quantized} if scope else quantized)
+    (ck / "config.json").write_text(json.dumps(config))
+    err = refused(capsys, "plan", ck, "--world-size", "2")
+    assert "the weights are quantized (fp8)" in err and "unquantized" in err
+    assert "unexpected" not in err
+    # a config alone holds no quantized weights: a random init plans as before
+    (ck / "model.safetensors").unlink()
+    assert main(["plan", str(ck), "--world-size", "2"]) == 0

@@ -47,6 +47,24 @@ def read_config(source: str | Path) -> dict[str, Any]:
     return config
 
 
+def check_unquantized(config: dict[str, Any], source: str | os.PathLike) -> None:
+    """Refuse weights that config.json declares quantized (`quantization_config`: FP8 blocks
+    with their scales, GPTQ/AWQ packed integers, MXFP4): their tensors are not the model's
+    parameters, and listing each as unexpected would not say why."""
+    for scope in (config, config.get("text_config")):
+        if not isinstance(scope, dict):
+            continue
+        quantized = scope.get("quantization_config") or scope.get("compression_config")
+        if quantized:
+            method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+            raise ConfigError(
+                f"{source}: the weights are quantized ({method or 'quantization_config'}); "
+                "tpviz loads floating-point weights: use an unquantized (bfloat16, float16 or "
+                "float32) checkpoint of the model",
+                str(source),
+            )
+
+
 def config_dtype(config: dict[str, Any]) -> str | None:
     """The weights' dtype a config declares: 5.x writes `dtype`, 4.x `torch_dtype`."""
     value = config.get("dtype") or config.get("torch_dtype")

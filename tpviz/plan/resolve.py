@@ -21,7 +21,7 @@ from torch import nn
 from ..checkpoint import Checkpoint, dtype_name, torch_dtype
 from ..keymap import match_checkpoint
 from ..models import ModelAdapter, adapter_for_module, build_skeleton, get_adapter, read_config
-from ..models.config import config_dtype
+from ..models.config import check_unquantized, config_dtype
 from ..strategies import STRATEGIES, forecast
 from .experts import (
     check_expert_parallel,
@@ -146,6 +146,8 @@ def read_source(
     adapter = get_adapter(config, model, source)
     skeleton = build_skeleton(adapter, config)
     ckpt = Checkpoint.open(weights) if weights is not None else None
+    if ckpt is not None and ckpt.has_weights:
+        check_unquantized(config, ckpt.path)
     return SourceModel(skeleton, adapter, config, ckpt, str(Path(source).resolve()))
 
 
