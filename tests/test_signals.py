@@ -35,20 +35,12 @@ class Cli:
             cwd=REPO,
         )
         self.lines: list[str] = []
-        self.changed = threading.Condition()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stderr:  # ends when the CLI and every rank closed stderr
-            with self.changed:
-                self.lines.append(line)
-                self.changed.notify_all()
-
-    def wait_for(self, text: str) -> None:
-        with self.changed:
-            found = self.changed.wait_for(lambda: any(text in s for s in self.lines), BOUND)
-        assert found, f"no {text!r} on stderr: {''.join(self.lines)}"
+            self.lines.append(line)
 
     def stderr(self) -> str:
         self.reader.join(BOUND)
@@ -64,14 +56,25 @@ def assert_empty_soon(directory) -> None:
     assert os.listdir(directory) == []
 
 
-def freeze_ranks(proc: subprocess.Popen) -> None:
-    """Stop the CLI's ranks (children of its forkserver): the signal then finds the load
-    running, however fast it would have been."""
+def freeze_ranks(proc: subprocess.Popen, world_size: int = 2) -> list:
+    """Stop the CLI's ranks (children of its forkserver) as soon as they all exist, so that
+    what comes next finds the load running however fast it would have been (a tiny load can
+    end between two of the CLI's status lines, so no line marks it as running); returns them."""
     import psutil
 
-    for p in psutil.Process(proc.pid).children(recursive=True):
-        if p.ppid() != proc.pid:
-            p.suspend()
+    deadline = time.monotonic() + BOUND
+    while time.monotonic() < deadline:
+        try:
+            found = psutil.Process(proc.pid).children(recursive=True)
+            ranks = [p for p in found if p.ppid() != proc.pid]
+        except psutil.NoSuchProcess:  # one ended while being listed: look again
+            continue
+        if len(ranks) == world_size:
+            for p in ranks:
+                p.suspend()
+            return ranks
+        time.sleep(0.002)
+    raise AssertionError(f"the CLI's {world_size} ranks did not start within {BOUND} s")
 
 
 @pytest.mark.slow
@@ -82,7 +85,6 @@ def test_stop_signals_cancel_cleanly_and_leave_nothing(tmp_path, tiny, signum):
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     cli = Cli(tmpdir, tiny, "--events", str(tmp_path / "events"))
-    cli.wait_for("rank 1: starting")
     freeze_ranks(cli.proc)
     cli.proc.send_signal(signum)
     assert cli.proc.wait(BOUND) == 128 + signum
@@ -97,9 +99,11 @@ def test_ranks_of_a_killed_cli_exit_quietly_and_the_next_start_removes_its_dir(t
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     cli = Cli(tmpdir, tiny)
-    cli.wait_for("rank 1: starting")
+    ranks = freeze_ranks(cli.proc)
     cli.proc.kill()
     cli.proc.wait(BOUND)
+    for p in ranks:  # now they find their CLI gone
+        p.resume()
     err = cli.stderr()  # every rank has exited (each held stderr)
     assert "Traceback" not in err and "Exception in thread" not in err, err
     # what is left is locked by the dead CLI: its ranks' dir and multiprocessing's (the
