@@ -176,25 +176,30 @@ def test_a_norm_spanning_all_heads_of_a_cut_projection_is_refused(tmp_path, caps
     assert "colwise_gather_output" in errors[0]["message"]
 
 
+# DeepSeek-style latent attention (8 heads of 16 + 8 features, values of 16), 4 routed experts
+LATENT = dict(
+    num_key_value_heads=8,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+)
+
+
+def latent_config(model_type: str, **changes):
+    return transformers.AutoConfig.for_model(model_type, **{**DIMS, **LATENT, **changes})
+
+
 def test_a_latent_norm_as_wide_as_all_heads_is_not_taken_for_theirs(tmp_path):
     # DeepSeek-V3's q_a_layernorm normalises q_a_proj's latent (q_lora_rank) before q_b_proj;
     # here that latent is as wide as q_b_proj's 8 heads x 24 features, which once read as a norm
     # spanning all heads and refused transformers' own plan
-    config = transformers.AutoConfig.for_model(
-        "deepseek_v3",
-        **dict(DIMS, num_key_value_heads=8),
-        q_lora_rank=192,
-        kv_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        moe_intermediate_size=32,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-    )
-    config.save_pretrained(tmp_path)
+    latent_config("deepseek_v3", q_lora_rank=192).save_pretrained(tmp_path)
     plan = tpviz.resolve_plan(tmp_path, 2)
     assert not plan.errors
     assert plan.tensor("model.layers.0.self_attn.q_a_layernorm.weight").placement == "replicate"
@@ -219,22 +224,7 @@ def test_head_sizes_set_per_layer_are_read_from_each_layers_attention(tmp_path):
 def test_heads_are_checked_in_an_attention_that_holds_another(tmp_path):
     # DeepSeek-V3.2's attention holds an indexer with heads of its own (index_head_dim): the
     # outer attention's projections were once left unchecked, and 3 ranks cut its 8 heads
-    config = transformers.AutoConfig.for_model(
-        "deepseek_v32",
-        **dict(DIMS, num_key_value_heads=8),
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        index_n_heads=4,
-        index_head_dim=32,
-        moe_intermediate_size=32,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-    )
+    config = latent_config("deepseek_v32", q_lora_rank=32, index_n_heads=4, index_head_dim=32)
     config.save_pretrained(tmp_path)
     (error,) = tpviz.resolve_plan(tmp_path, 3).errors
     assert error.code == "head_alignment"

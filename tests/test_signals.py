@@ -56,8 +56,8 @@ def assert_empty_soon(directory) -> None:
     assert os.listdir(directory) == []
 
 
-def freeze_ranks(proc: subprocess.Popen, world_size: int = 2) -> list:
-    """Stop the CLI's ranks (children of its forkserver) as soon as they all exist, so that
+def freeze_ranks(proc: subprocess.Popen) -> list:
+    """Stop the CLI's two ranks (children of its forkserver) as soon as both exist, so that
     what comes next finds the load running however fast it would have been (a tiny load can
     end between two of the CLI's status lines, so no line marks it as running); returns them."""
     import psutil
@@ -69,12 +69,12 @@ def freeze_ranks(proc: subprocess.Popen, world_size: int = 2) -> list:
             ranks = [p for p in found if p.ppid() != proc.pid]
         except psutil.NoSuchProcess:  # one ended while being listed: look again
             continue
-        if len(ranks) == world_size:
+        if len(ranks) == 2:
             for p in ranks:
                 p.suspend()
             return ranks
         time.sleep(0.002)
-    raise AssertionError(f"the CLI's {world_size} ranks did not start within {BOUND} s")
+    raise AssertionError(f"the CLI's 2 ranks did not start within {BOUND} s")
 
 
 @pytest.mark.slow

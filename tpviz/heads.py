@@ -102,12 +102,15 @@ def _owner(name: str, attention: dict[str, set[int]]) -> str | None:
 
 
 def head_cuts(
-    model: nn.Module, module_styles: dict[str, str], counts: HeadCounts | None
+    model: nn.Module,
+    attention: dict[str, set[int]],
+    module_styles: dict[str, str],
+    counts: HeadCounts | None,
 ) -> list[HeadCut]:
-    """The cuts the plan makes through attention heads (see the module docstring)."""
+    """The cuts the plan makes through attention heads (see the module docstring);
+    `attention`: the model's `attention_modules`."""
     if counts is None:
         return []
-    attention = attention_modules(model)
     cuts = []
     for mod_name, style_name in module_styles.items():
         style = styles.STYLES[style_name]
@@ -217,13 +220,15 @@ class HeadParam:
     spans: bool
 
 
-def head_params(model: nn.Module, cuts: list[HeadCut]) -> list[HeadParam]:
-    """Parameters of head-cut attention modules, outside the cut projections, that hold heads."""
+def head_params(
+    model: nn.Module, attention: dict[str, set[int]], cuts: list[HeadCut]
+) -> list[HeadParam]:
+    """Parameters of head-cut attention modules, outside the cut projections, that hold heads;
+    `attention`: the model's `attention_modules`."""
     by_attention: dict[str, list[HeadCut]] = {}
     for c in cuts:
         by_attention.setdefault(c.attention, []).append(c)
     cut_modules = {c.module for c in cuts}
-    attention = attention_modules(model) if cuts else {}
     found = []
     for attn, attn_cuts in by_attention.items():
         module = model.get_submodule(attn)

@@ -157,7 +157,8 @@ def check_heads(
     heads avoids it; make parameters that hold one row per head follow their heads (this may
     re-place entries and change `module_styles`). Returns the attention modules whose
     key-value heads are replicated -> their query heads per key-value head on each rank."""
-    cuts = heads.head_cuts(skeleton, module_styles, counts)
+    attention = heads.attention_modules(skeleton)
+    cuts = heads.head_cuts(skeleton, attention, module_styles, counts)
     if cuts:
         issues.errors.allow_world_sizes(lambda: heads.working_world_sizes(cuts, kv_replication))
     for module, message in heads.alignment_errors(cuts, world_size, kv_replication):
@@ -165,7 +166,7 @@ def check_heads(
     grouped = heads.replicated_kv(cuts, world_size) if kv_replication else []
     kv_groups = {c.module: c.count for c in grouped}
     _replicate_kv(kv_groups, entries, module_styles, world_size, issues)
-    found = heads.head_params(skeleton, cuts)
+    found = heads.head_params(skeleton, attention, cuts)
     _place_head_params(found, entries, module_styles, world_size, issues, kv_groups)
     return heads.local_kv_groups(cuts, grouped, world_size)
 
