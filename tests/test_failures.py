@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tpviz
-from tpviz.events import LAUNCHER_RANK, Phase, UnitStart
+from tpviz.events import LAUNCHER_RANK, Error, Phase, UnitStart, read_events_dir
 from tpviz.plan import resolve_plan
 from tpviz.rankserver import start_server
 
@@ -130,7 +130,7 @@ def test_rank_failing_in_rank0_broadcast_does_not_leave_peers_waiting(broken):
 
 
 @pytest.mark.slow
-def test_rank_killed_from_outside_fails_the_job_naming_it(small):
+def test_rank_killed_from_outside_fails_the_job_naming_it(small, tmp_path):
     killed = threading.Event()
 
     def kill_rank1(event):
@@ -139,13 +139,27 @@ def test_rank_killed_from_outside_fails_the_job_naming_it(small):
             os.kill(job._procs[1].pid, signal.SIGKILL)
 
     start = time.monotonic()
-    with tpviz.launch(small, 2) as job:
+    with tpviz.launch(small, 2, events_dir=tmp_path) as job:
         job.subscribe(kill_rank1)
         with pytest.raises(tpviz.LoadError, match="rank 1 died") as err:
             job.wait(PROMPT)
     assert "SIGKILL" in str(err.value) and err.value.rank == 1
     assert time.monotonic() - start < PROMPT
     assert children() == []
+    # neither rank wrote how the job ended (one was killed, the launcher ended the other):
+    # the launcher ends both files, so that a follower of the dir sees the job fail
+    ends = [ended_file(tmp_path, rank) for rank in (0, 1)]
+    assert all(e.message == f"the job ended: {err.value}" for e in ends)
+    assert ends[1].module and ends[1].module.startswith("model.")  # where rank 1 was
+    with pytest.raises(tpviz.LoadError, match="rank 1 died"):
+        tpviz.LoadMonitor.from_events_dir(tmp_path).wait(PROMPT)
+
+
+def ended_file(events_dir, rank: int) -> Error:
+    """The last event of a rank's events file, which must be an error."""
+    last = [e for e in read_events_dir(events_dir) if e.rank == rank][-1]
+    assert isinstance(last, Error)
+    return last
 
 
 PARENT = textwrap.dedent("""
@@ -186,13 +200,16 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_cancel_and_timeout_end_every_rank(tiny):
-    job = tpviz.launch(tiny, 2)
+def test_cancel_and_timeout_end_every_rank(tiny, tmp_path):
+    job = tpviz.launch(tiny, 2, events_dir=tmp_path)
     job.cancel()
     with pytest.raises(tpviz.LoadError, match="cancelled"):
         job.wait(PROMPT)
     assert job.state == "cancelled" and children() == []
     job.shutdown()
+    # ranks cancelled before they began their files: the launcher writes how the job ended
+    for rank in (0, 1):
+        assert ended_file(tmp_path, rank).message == "the job ended: the load was cancelled"
     with tpviz.launch(tiny, 2, timeout=0.001) as job:  # whole loads now fit in 0.5 s
         with pytest.raises(tpviz.LoadError, match="timeout"):
             job.wait(PROMPT)

@@ -14,11 +14,11 @@ import torch
 
 import tpviz
 from tpviz.events import Done, Memory, Phase, UnitDone, UnitStart
-from tpviz.job import RSS_MARGIN_BYTES
 from tpviz.launcher import LoadJob
 from tpviz.messages import Beat
 from tpviz.models import FIXED_PROMPT
 from tpviz.plan import resolve_plan
+from tpviz.results import RSS_MARGIN_BYTES
 from tpviz.strategies import STRATEGIES
 
 pytestmark = pytest.mark.slow

@@ -137,7 +137,7 @@ def test_a_load_on_warm_ranks_peaks_as_high_as_on_fresh_ones(small, strategy):
     """Whole tensors freed during a load: glibc's heap would keep them for the next load on
     the same ranks (its mmap threshold raised by the first), which then peaked 20-40% higher
     for the same tensors."""
-    from tpviz.job import RSS_MARGIN_BYTES
+    from tpviz.results import RSS_MARGIN_BYTES
 
     with tpviz.launch(small, 2, strategy=strategy) as job:
         fresh = job.wait(120)

@@ -22,7 +22,9 @@ from tpviz.events import (
     UnitDone,
     UnitStart,
     encode,
+    end_rank_files,
     events_file,
+    read_events_dir,
     remove_rank_files,
 )
 from tpviz.format import count, layer_of
@@ -546,6 +548,25 @@ def test_a_follower_says_where_each_rank_was_once_their_files_stop_growing(tmp_p
     with pytest.raises(tpviz.LoadError, match="the rank's own last words"):
         follower.wait(30)
     assert "no rank has written" not in follower.status.value
+
+
+def test_files_the_launcher_ends_read_as_failed_even_where_a_rank_was_cut_off(tmp_path):
+    """A rank killed as it wrote leaves half a line; the launcher ends every file that has no
+    `done` or `error` yet with its own, and a follower skips the cut line."""
+    _write_events(tmp_path, [Phase(0, 1.0, name="loading")])
+    with open(events_file(tmp_path, 0), "a", encoding="utf-8") as f:
+        f.write('{"v":1,"type":"memo')  # cut off here
+    _write_events(tmp_path, [Done(1, 2.0, result={})])
+    tail = JsonlTail(tmp_path)
+    assert len(tail.read_new()) == 2  # the cut line waits, as a line still being written would
+    end_rank_files(tmp_path, ["model.layers.0.mlp", None, None], "the load was cancelled", 3.0)
+    new = tail.read_new()
+    assert [(type(e).__name__, e.rank) for e in new] == [("Error", 0), ("Error", 2)]
+    assert new[0].message == "the job ended: the load was cancelled"
+    assert new[0].module == "model.layers.0.mlp"
+    assert len(read_events_dir(tmp_path)) == 4  # rank 1's done is its own end: left alone
+    end_rank_files(tmp_path, [None] * 3, "again", 4.0)  # every file has its end now
+    assert tail.read_new() == []
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
@@ -190,11 +191,52 @@ class JsonlTail:
             lines = text.split("\n")
             if lines[-1]:
                 self._partial[path] = lines[-1]  # a line still being written
-            out.extend(decode(line) for line in lines[:-1] if line.strip())
+            out.extend(_whole_events(lines[:-1]))
         out.sort(key=lambda e: e.t)
         return out
+
+
+def _whole_events(lines: list[str]) -> Iterator[Event]:
+    """The events of whole lines; a line that is not JSON was cut off by a rank that was
+    killed as it wrote it, and ended by the launcher (`end_rank_files`): it is skipped."""
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        yield from_dict(data)
 
 
 def read_events_dir(directory: str | os.PathLike) -> list[Event]:
     """Every event in an events dir, ordered by time."""
     return JsonlTail(directory).read_new()
+
+
+def end_rank_files(
+    directory: str | os.PathLike, modules: list[str | None], why: str, t: float
+) -> None:
+    """End each rank's file of a load that stopped before the rank wrote its `done` or
+    `error` (a cancel, a peer's death, a timeout: the launcher ended it, and an ended rank
+    writes nothing of it) with an `error` saying `why`, at the module it was in (`modules`,
+    by rank), so that a follower of the dir sees the job end rather than files that stop
+    growing. A line the rank was cut off in is ended first (readers skip it); a file that
+    cannot be written is left as it is."""
+    for rank, module in enumerate(modules):
+        path = events_file(directory, rank)
+        with contextlib.suppress(OSError), open(path, "a+b") as f:
+            f.seek(0)
+            lines = f.read().decode("utf-8", "replace").split("\n")
+            if _last_type(lines) in (Done.type, Error.type):
+                continue
+            ended = Error(rank, t, message=f"the job ended: {why}", module=module)
+            f.write((("\n" if lines[-1] else "") + encode(ended) + "\n").encode())
+
+
+def _last_type(lines: list[str]) -> str | None:
+    """The type of the last whole event among `lines` (a cut line is not one)."""
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            return json.loads(line).get("type")
+    return None

@@ -21,7 +21,7 @@ import torch
 from .commands import CommandChannel, first_failed
 from .errors import LoadError
 from .eventlog import EventLog
-from .events import LAUNCHER_RANK, Done, Error, Event, JobState, Phase
+from .events import LAUNCHER_RANK, Done, Error, Event, JobState, Phase, end_rank_files
 from .liveness import (
     broken_group_message,
     death_message,
@@ -42,9 +42,6 @@ from .token_ids import check_token_ids
 from .tracking import ProgressTracker, RankProgress
 
 HEARTBEAT_TIMEOUT = 30.0  # seconds of silence after which a rank counts as frozen
-# How far above its first load's baseline a warm rank's resident set may stay after releasing
-# the previous model before the result says so (allocator and import residue is a few MiB).
-RSS_MARGIN_BYTES = 16 * 2**20
 
 
 class LoadJob:
@@ -93,6 +90,7 @@ class LoadJob:
         self._commands = CommandChannel(ranks, plan.world_size, self._cond)
         # at collection or interpreter exit: end the ranks, remove the temp dir
         self._finalizer = weakref.finalize(self, ranks.request_close)
+        self._events_dir = events_dir
         spec = self._spec(events_dir)
         if warm is None:
             preload = rank_imports(plan.source, plan.model)
@@ -189,6 +187,14 @@ class LoadJob:
         self._log.append([Error(rank, time.time(), message=message, module=module)])
         self._fail(LoadError(message, rank, module))
 
+    def _ranks_ended(self) -> None:
+        """Every rank is gone: in the events dir, a rank that had not ended its file (the
+        launcher ended it) says how the job ended."""
+        if self._events_dir and self.result is None:
+            why = str(self.error or f"the job was shut down while {self.state}")
+            modules = [self.progress[r].module for r in range(self.plan.world_size)]
+            end_rank_files(self._events_dir, modules, why, time.time())
+
     def _pump_failed(self, error: Exception) -> None:
         self._fail(LoadError(f"tpviz's launcher failed: {type(error).__name__}: {error}"))
 
@@ -217,24 +223,12 @@ class LoadJob:
             self._set_state(JobState.LOADED)
 
     def _check_released(self) -> None:
-        """On warm ranks: warn if a rank's resident set before loading stayed over RSS_MARGIN_BYTES
-        above its reference load's (its growth would then read lower than a fresh rank's)."""
+        """On warm ranks, the result says if a rank did not give back the previous model."""
         reference = self._ranks.reference_baselines
         if reference is None:
             self._ranks.reference_baselines = [r.rss_baseline_bytes for r in self.result.ranks]
-            return
-        for rank, before in enumerate(reference):
-            above = self.result.ranks[rank].rss_baseline_bytes - before
-            if above > RSS_MARGIN_BYTES:
-                self.result.warnings.append(
-                    {
-                        "code": "rss_not_released",
-                        "name": f"rank {rank}",
-                        "message": f"rank {rank} started this load {above / 2**20:.0f} MiB "
-                        "above its reference load's resident set (margin "
-                        f"{RSS_MARGIN_BYTES / 2**20:.0f} MiB): its RSS growth may read low",
-                    }
-                )
+        else:
+            self.result.warn_if_not_released(reference)
 
     def _verify_then_ready(self) -> None:
         try:

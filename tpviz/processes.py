@@ -46,12 +46,14 @@ class Listener(Protocol):
     """What the pump tells its job (held weakly, so that an abandoned job is collected and its
     ranks ended): a rank was heard, what it sent, a tick to check the ranks' health (with the
     exit codes of the ranks that had exited before what they sent was read), and the pump's
-    own failure (a bug there must not leave callers waiting for replies forever)."""
+    own failure (a bug there must not leave callers waiting for replies forever); and, once
+    closing has ended every rank, that they are gone."""
 
     def _heard(self, rank: int) -> None: ...
     def _handle(self, rank: int, message: Any) -> None: ...
     def _check(self, exited: dict[int, int]) -> None: ...
     def _pump_failed(self, error: Exception) -> None: ...
+    def _ranks_ended(self) -> None: ...
 
 
 class Ranks:
@@ -189,6 +191,9 @@ class Ranks:
             shutil.rmtree(self.workdir, ignore_errors=True)
             os.close(self._lock_fd)
             self._lock_fd = None
+        listener = self.listener() if self.listener is not None else None
+        if listener is not None:
+            listener._ranks_ended()
 
     def _drain_until_exited(self, seconds: float) -> None:
         """Wait up to `seconds` for the ranks to exit, reading and dropping what they still

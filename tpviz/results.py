@@ -19,6 +19,10 @@ from .plan import ResolvedPlan
 # A startup phase ends when the last rank has passed it. The launcher notes when it first
 # hears a rank's heartbeat (the process is up); the ranks' `phase` events mark the rest.
 STARTUP_PHASES = ("process_start", "imports", "process_group", "skeleton")
+# How far above its reference load's baseline a warm rank's resident set may stay after
+# releasing the previous model before the result says so (allocator and import residue is a
+# few MiB).
+RSS_MARGIN_BYTES = 16 * 2**20
 
 
 class _JsonMapping(Mapping[str, Any]):
@@ -152,6 +156,23 @@ class LoadResult(_JsonMapping):
             result.profile = {"dir": profile_dir, "ranks": [r.profile for r in ranks]}
         result.output_errors = collect_output_errors([r.to_dict() for r in ranks]) or None
         return result
+
+    def warn_if_not_released(self, reference: Sequence[int]) -> None:
+        """On warm ranks: warn where a rank's resident set before loading stayed more than
+        RSS_MARGIN_BYTES above `reference` (that rank's baseline in its reference load), since
+        its growth would then read lower than a fresh rank's."""
+        for rank, before in enumerate(reference):
+            above = self.ranks[rank].rss_baseline_bytes - before
+            if above > RSS_MARGIN_BYTES:
+                self.warnings.append(
+                    {
+                        "code": "rss_not_released",
+                        "name": f"rank {rank}",
+                        "message": f"rank {rank} started this load {above / 2**20:.0f} MiB "
+                        "above its reference load's resident set (margin "
+                        f"{RSS_MARGIN_BYTES / 2**20:.0f} MiB): its RSS growth may read low",
+                    }
+                )
 
 
 def slowest_load(ranks: Sequence[RankResult]) -> float:
