@@ -5,6 +5,7 @@ made with transformers' own classes and save_pretrained (which writes the legacy
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -261,6 +262,57 @@ def test_stacked_experts_list_their_checkpoint_tensors(hf_checkpoints):
     assert down.combine == "stack(0)" and down.source_dtype == "bfloat16"
     again = tpviz.ResolvedPlan.from_json(plan.to_json())
     assert again.tensor(gate_up.name).sources == gate_up.sources
+
+
+STACKED = "model.layers.1.block_sparse_moe.experts"  # mixtral's w1/w3 make gate_up_proj
+
+
+@pytest.mark.parametrize(
+    "name, key, change, words",
+    [
+        # a tensor the checkpoint names differently from the model: the error gives both
+        (
+            "hrm_text",
+            "model.H_module.layers.1.attn.o_proj.weight",
+            None,
+            "model.H_module.layers.1.self_attn.o_proj.weight (saved as "
+            "model.H_module.layers.1.attn.o_proj.weight) is in the model but not in",
+        ),
+        # one of the tensors stacked into one: the odd one is named, not just its shape
+        (
+            "mixtral",
+            f"{STACKED}.2.w3.weight",
+            lambda t: t.flatten()[:-1],
+            f"cannot stack them: {STACKED}.2.w3.weight is [6143] where {STACKED}.0.w3.weight "
+            "is [96, 64]",
+        ),
+        (
+            "mixtral",
+            f"{STACKED}.2.w3.weight",
+            lambda t: t.to(torch.bfloat16),
+            f"tensor '{STACKED}.2.w3.weight' is bfloat16 where '{STACKED}.0.w1.weight' is float32",
+        ),
+    ],
+)
+def test_a_broken_checkpoint_tensor_is_named_as_saved(
+    hf_checkpoints, tmp_path, cli, name, key, change, words
+):
+    from safetensors.torch import load_file, save_file
+
+    source = tmp_path / name
+    shutil.copytree(hf_checkpoints[name], source)
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    path = source / index["weight_map"][key]
+    tensors = load_file(path)
+    if change is None:  # gone, from its file and the index
+        del tensors[key], index["weight_map"][key]
+        (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        tensors[key] = change(tensors[key])
+    save_file(tensors, path, metadata={"format": "pt"})
+    run = cli("plan", str(source), "--world-size", "2")
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1
+    assert words in run.stderr, run.stderr
 
 
 # --- tensors split from one checkpoint tensor -------------------------------------------------

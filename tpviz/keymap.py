@@ -13,7 +13,8 @@ reaching past the part's edges (a negative offset): only its overlap with a bloc
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -46,11 +47,28 @@ class KeyMapError(ValueError):
     """Checkpoint tensors that cannot be assembled as the model class asks."""
 
 
+def _odd_one_out(layouts: Sequence[Layout], kept: Callable[[Layout], Hashable]) -> str | None:
+    """Where `kept(layout)` (what must agree) differs between layouts: the first layout that
+    differs from most, named by its first checkpoint key, beside one that agrees."""
+    counts = Counter(kept(lay) for lay in layouts)
+    if len(counts) == 1:
+        return None
+    usual = counts.most_common(1)[0][0]
+    odd = next(lay for lay in layouts if kept(lay) != usual)
+    like = next(lay for lay in layouts if kept(lay) == usual)
+    return f"{_named(odd)} is {odd.shape} where {_named(like)} is {like.shape}"
+
+
+def _named(layout: Layout) -> str:
+    keys = [s.key for s in layout.sources]
+    return keys[0] if len(keys) == 1 else f"the tensor made from {keys[0]} ..."
+
+
 def stack(layouts: Sequence[Layout], dim: int) -> Layout:
     """`torch.stack` of the layouts along a new dim `dim`."""
-    shapes = {tuple(lay.shape) for lay in layouts}
-    if len(shapes) != 1:
-        raise KeyMapError(f"cannot stack tensors of shapes {sorted(shapes)}")
+    odd = _odd_one_out(layouts, lambda lay: tuple(lay.shape))
+    if odd:
+        raise KeyMapError(f"cannot stack them: {odd}")
     shape = list(layouts[0].shape)
     dim = dim % (len(shape) + 1)
     sources = [
@@ -65,12 +83,13 @@ def cat(layouts: Sequence[Layout], dim: int) -> Layout:
     """`torch.cat` of the layouts along `dim`."""
     first = layouts[0].shape
     dim = dim % len(first)
-    if any(len(lay.shape) != len(first) for lay in layouts) or any(
-        lay.shape[:dim] + lay.shape[dim + 1 :] != first[:dim] + first[dim + 1 :] for lay in layouts
-    ):
-        raise KeyMapError(
-            f"cannot concatenate shapes {[lay.shape for lay in layouts]} along dim {dim}"
-        )
+
+    def other_dims(lay: Layout) -> tuple[int, ...]:
+        return len(lay.shape), *lay.shape[:dim], *lay.shape[dim + 1 :]
+
+    odd = _odd_one_out(layouts, other_dims)
+    if odd:
+        raise KeyMapError(f"cannot concatenate them along dim {dim}: {odd}")
     sources, start = [], 0
     for lay in layouts:
         for s in lay.sources:
@@ -154,10 +173,13 @@ def match_checkpoint(
     the checkpoint tensors the model does not use, `warnings.add` the copies of tied tensors
     left unread. `keymap` None: a tensor's key is its name."""
     used = set(keymap.ignored) if keymap else set()
+    missing, renamed = [], {}  # renamed: a model name's numbering -> its checkpoint key's
     for e in entries:
         if e.origin != "checkpoint":
             continue
         found = _assembly(e, ckpt, keymap)
+        if found is not None and found.keys != [e.name] and len(found.keys) == 1:
+            renamed.setdefault(_numbering(e.name)[0], _numbering(found.keys[0])[0])
         copies = _tied_copies(e, found, ckpt, keymap)
         if copies:
             used.update(copies)
@@ -169,12 +191,7 @@ def match_checkpoint(
                 "not read, as transformers does not use it either",
             )
         if found is None:
-            errors.add(
-                "missing_tensor",
-                e.name,
-                f"{e.name} is in the model but not in the checkpoint {ckpt.path}; check that "
-                "the checkpoint matches config.json (or pass --model)",
-            )
+            missing.append(e.name)
             continue
         used.update(found.keys)
         if found.error:
@@ -182,6 +199,13 @@ def match_checkpoint(
             continue
         e.checkpoint_keys, e.sources, e.combine = found.keys, found.sources, found.combine
         _check_found(e, found, [ckpt.tensors[k] for k in found.keys], errors)
+    for name in missing:
+        errors.add(
+            "missing_tensor",
+            name,
+            f"{name}{_saved_as(name, renamed)} is in the model but not in the checkpoint "
+            f"{ckpt.path}; check that the checkpoint matches config.json (or pass --model)",
+        )
     for name in sorted(set(ckpt.tensors) - used):
         errors.add(
             "unexpected_tensor",
@@ -191,17 +215,40 @@ def match_checkpoint(
         )
 
 
+def _numbering(name: str) -> tuple[str, list[str]]:
+    """A dotted name with its numbered parts (layer, expert) taken out: the name with `{}`
+    where each was, and the numbers."""
+    parts = name.split(".")
+    numbers = [p for p in parts if p.isdigit()]
+    return ".".join("{}" if p.isdigit() else p for p in parts), numbers
+
+
+def _saved_as(name: str, renamed: Mapping[str, str]) -> str:
+    """`name`'s checkpoint key, where the checkpoint holds tensors like it (another layer's or
+    expert's) under other names than the model's: " (saved as KEY)", else ""."""
+    pattern, numbers = _numbering(name)
+    around = renamed.get(pattern, "").split("{}")
+    if len(around) != len(numbers) + 1 or pattern not in renamed:
+        return ""
+    key = "".join(part + number for part, number in zip(around, [*numbers, ""]))
+    return f" (saved as {key})"
+
+
 def _check_found(e, found: Assembly, infos: list, errors) -> None:
     """The checkpoint tensors a model tensor is read from, against it: one dtype, of the same
     kind (floating point or not), making its shape."""
     e.source_dtype = infos[0].dtype
-    dtypes = sorted({i.dtype for i in infos})
+    dtypes = Counter(i.dtype for i in infos)
     if len(dtypes) > 1:
+        usual = dtypes.most_common(1)[0][0]
+        odd = next(i for i in infos if i.dtype != usual)
+        like = next(i for i in infos if i.dtype == usual)
         errors.add(
             "mixed_dtypes",
             e.name,
-            f"{e.name}: its checkpoint tensors mix dtypes {', '.join(dtypes)}; save them in "
-            "one dtype",
+            f"{e.name}: {odd.file}: tensor {odd.name!r} is {odd.dtype} where {like.name!r} is "
+            f"{usual}, and the {len(infos)} tensors it is made from must share one dtype; save "
+            "them in one dtype",
         )
     if infos[0].torch_dtype.is_floating_point != torch_dtype(e.dtype).is_floating_point:
         errors.add(
