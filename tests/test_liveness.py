@@ -193,6 +193,9 @@ class RecordingListener:
     def _pump_failed(self, error: Exception) -> None:
         raise error
 
+    def _ranks_ended(self) -> None:
+        pass
+
 
 def test_a_rank_that_exits_right_after_reporting_is_judged_after_its_report():
     """A failing rank sends its error and exits at once: the job must fail with that error,
