@@ -222,21 +222,18 @@ def end_rank_files(
     writes nothing of it) with an `error` saying `why`, at the module it was in (`modules`,
     by rank), so that a follower of the dir sees the job end rather than files that stop
     growing. A line the rank was cut off in is ended first (readers skip it); a file that
-    cannot be written is left as it is."""
+    cannot be written or read is left as it is."""
     for rank, module in enumerate(modules):
         path = events_file(directory, rank)
-        with contextlib.suppress(OSError), open(path, "a+b") as f:
+        with contextlib.suppress(OSError, ValueError), open(path, "a+b") as f:
             f.seek(0)
             lines = f.read().decode("utf-8", "replace").split("\n")
-            if _last_type(lines) in (Done.type, Error.type):
+            if _has_ended(lines):
                 continue
             ended = Error(rank, t, message=f"the job ended: {why}", module=module)
             f.write((("\n" if lines[-1] else "") + encode(ended) + "\n").encode())
 
 
-def _last_type(lines: list[str]) -> str | None:
-    """The type of the last whole event among `lines` (a cut line is not one)."""
-    for line in reversed(lines):
-        with contextlib.suppress(ValueError):
-            return json.loads(line).get("type")
-    return None
+def _has_ended(lines: list[str]) -> bool:
+    """Whether a rank's file holds its `done` or `error` (a memory sample may follow it)."""
+    return any(isinstance(e, Done | Error) for e in _whole_events(lines))
