@@ -32,6 +32,9 @@ HF_MODELS = {
     "bitnet": ("bitnet", {}),
     "phi3": ("phi3", {}),
     "mixtral": ("mixtral", dict(num_local_experts=4)),
+    # 100 intermediate features split evenly over 4 ranks but not 8; 8 experts fill 8 ranks
+    "mixtral_100": ("mixtral", dict(num_local_experts=8, intermediate_size=100)),
+    "mixtral_100_4": ("mixtral", dict(num_local_experts=4, intermediate_size=100)),
     "opt": ("opt", dict(ffn_dim=128, word_embed_proj_dim=64)),  # learned positions
 }
 MLP = {
@@ -56,7 +59,7 @@ def checkpoint(tmp_path_factory):
             built[name] = make_checkpoint(root / name, "tiny")
             return built[name]
         model_type, changes = HF_MODELS[name]
-        config = transformers.AutoConfig.for_model(model_type, **DIMS, **changes)
+        config = transformers.AutoConfig.for_model(model_type, **{**DIMS, **changes})
         built[name] = save_tiny(config, root / name, seed=len(built))
         return built[name]
 
@@ -168,6 +171,30 @@ def test_experts_are_cut_by_derived_keys_and_their_partial_sums_simulated(sugges
     assert s.plan["model.layers.*.mlp.experts"] == "moe_tp_experts"  # in the printed plan
     assert _decision(s, "self_attn.o_proj").styles["model.layers.*.self_attn.o_proj"] == "rowwise"
     assert _placements(s.resolved)["model.layers.0.mlp.experts.down_proj"] == "shard(2)"
+
+
+@pytest.mark.parametrize(
+    "name, style, placement, refused",
+    [
+        ("mixtral_100", "ep_dispatch_experts", "shard(0)", ["moe_tp_experts"]),
+        ("mixtral_100_4", "replicate", "replicate", ["moe_tp_experts", "ep_dispatch_experts"]),
+    ],
+)
+def test_experts_the_derived_cut_cannot_split_get_whole_experts_or_stay_whole(
+    suggestion, name, style, placement, refused
+):
+    """A plan holds the experts whatever else it places: where their intermediate features do
+    not split over the ranks, each rank gets whole experts, and where the experts do not
+    either, they stay whole; the rest of the plan is suggested as for any model."""
+    s = suggestion(name, 8)
+    assert s.resolved.errors == [] and s.max_abs_diff <= s.tolerance
+    experts = _decision(s, "mlp.experts")
+    assert experts.styles["model.layers.*.mlp.experts"] == style
+    assert [why.split(":")[0] for why in experts.tried] == refused
+    assert all("uneven_experts" in why for why in experts.tried)
+    attention = _decision(s, "self_attn.o_proj")
+    assert attention.styles["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert _placements(s.resolved)["model.layers.0.mlp.experts.down_proj"] == placement
 
 
 def test_cli_prints_a_plan_file_that_resolves_to_the_suggestion(

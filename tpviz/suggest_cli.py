@@ -57,11 +57,10 @@ def suggestion_text(s: Suggestion) -> str:
         if d.kind == "other":
             lines.append(f"  {d.patterns[0]}: replicated ({d.tried[0]})")
             continue
-        if d.kind == "experts":
-            (style,) = d.styles.values()
-            lines.append(f"  {d.patterns[0]}: {style} (its keys derived from its structure)")
-            continue
-        styles = ", ".join(sorted(set(d.styles.values()))) or "replicated"
+        if d.kind == "experts":  # the modules' styles; their tensors' keys are derived
+            styles = ", ".join(sorted({d.styles[p] for p in d.patterns}))
+        else:
+            styles = ", ".join(sorted(set(d.styles.values()))) or "replicated"
         lines.append(f"  {' + '.join(d.patterns)}: {styles}")
         lines += [f"      not {why}" for why in d.tried]
     return "\n".join(lines)

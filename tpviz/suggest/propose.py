@@ -1,7 +1,10 @@
 """Suggested TP plans: candidates from the model's dataflow, kept only where simulated ranks
 reproduce the unsharded logits.
 
-The candidates, in forward order, each a unit with styles to try in turn:
+The candidates, each a unit with styles to try in turn: first the mixture-of-experts modules
+(the cut of their intermediate features that the `tp` layout derives, then whole experts per
+rank, then the experts left whole: a plan holds them whatever else it places), then in forward
+order:
 
 - an embedding: `embedding_rowwise` (by vocabulary);
 - a col/row pair (dataflow.py): `colwise` + `rowwise` (Megatron: one all-reduce), then
@@ -30,7 +33,7 @@ from typing import Any
 from torch import nn
 
 from ..plan import ResolvedPlan, resolve_plan
-from ..plan.experts import EXPERT_STYLES
+from ..plan.experts import EP_MODULE, EXPERT_STYLES, TP_MODULE
 from ..styles import EMBEDDING, module_kind
 from .dataflow import trace
 from .prove import Proof
@@ -113,8 +116,12 @@ def suggest_plan(
         lambda patterns: resolve_plan(source, world_size, patterns, dtype=dtype, model=model),
     )
     instance = proof.instance
-    kept: dict[str, str] = {}
-    decisions, diff = [], 0.0
+
+    def ep_keys() -> dict[str, str]:  # the keys that give each rank whole experts
+        ep = resolve_plan(source, world_size, {}, dtype=dtype, model=model, experts="ep")
+        return dict(ep.patterns)
+
+    kept, decisions, diff = _experts_first(proof, ep_keys)
     for unit in _units(instance, proof.run):
         kind = "+".join(dict.fromkeys(kind for kind, _, _ in unit))
         decision = Decision(kind, [n for _, cols, rows in unit for n in cols + rows], {})
@@ -128,10 +135,38 @@ def suggest_plan(
         decisions.append(decision)
     resolved = proof.resolve(kept)
     covered = {p for d in decisions for p in d.patterns}
-    decisions += _not_candidates(instance, covered, resolved.module_styles)
+    decisions += _not_candidates(instance, covered)
     # the plan as resolved: the kept keys and those the experts layout derived (experts cut)
     plan = dict(resolved.patterns)
     return Suggestion(plan, resolved, decisions, _layers_prefix(instance), diff, proof.tolerance)
+
+
+def _experts_first(
+    proof: Proof, ep_keys: Callable[[], dict[str, str]]
+) -> tuple[dict[str, str], list[Decision], float]:
+    """The experts modules, placed before any other unit is tried (a plan gets a TP cut of
+    every experts module no key places, so every trial holds them): that cut where simulated
+    ranks prove it, else whole experts per rank, else the experts left whole. Returns the
+    keys kept, the decision (none without experts) and the proof's difference."""
+    derived = proof.resolve({}).module_styles
+    modules = sorted({_patterns([n])[0] for n, s in derived.items() if s in EXPERT_STYLES})
+    if not modules:
+        return {}, [], 0.0
+    decision = Decision("experts", modules, {})
+    options = [
+        (TP_MODULE, lambda: {}),
+        (EP_MODULE, ep_keys),
+        ("replicate", lambda: dict.fromkeys(modules, "replicate")),
+    ]
+    for label, keys in options:
+        styles = keys()
+        why, diff = proof.check(styles)
+        if why is None:
+            decision.styles = styles or dict.fromkeys(modules, TP_MODULE)
+            return styles, [decision], diff
+        decision.tried.append(f"{label}: {why}")
+    decision.styles = styles
+    return styles, [decision], diff  # left whole, with the reasons
 
 
 Unit = list[tuple[str, list[str], list[str]]]  # parts: (kind, cols, rows), all tried together
@@ -170,18 +205,12 @@ def _units(instance: nn.Module, run: Callable) -> list[Unit]:
     return unique
 
 
-def _not_candidates(
-    instance: nn.Module, covered: set[str], module_styles: dict[str, str]
-) -> list[Decision]:
-    """The other modules holding tensors: experts, cut by the keys the plan derives for them
-    (`module_styles`: as resolved), and the rest (norms, Conv1D, routers), replicated."""
+def _not_candidates(instance: nn.Module, covered: set[str]) -> list[Decision]:
+    """The other modules holding tensors (norms, Conv1D, routers): replicated."""
     found: dict[str, Decision] = {}
     for name, module in instance.named_modules():
         (pattern,) = _patterns([name])
         if pattern in covered or pattern in found or not list(module.parameters(recurse=False)):
-            continue
-        if module_styles.get(name) in EXPERT_STYLES:
-            found[pattern] = Decision("experts", [pattern], {pattern: module_styles[name]})
             continue
         why = f"{type(module).__name__} is not an nn.Linear or nn.Embedding, the modules cut here"
         found[pattern] = Decision("other", [pattern], {}, [why])
