@@ -209,6 +209,14 @@ def test_an_uneven_expert_split_is_refused_with_the_world_sizes_that_work(tmp_pa
     assert error.name == f"{EXPERTS.format(0)}.gate_up_proj"
     assert error.message.endswith("world sizes that work: 1, 2")  # 3, 6, ...: would cut heads
     assert cli("plan", str(tmp_path), "--world-size", "4", "--plan", str(plan_file)).returncode == 2
+    # the two other ways out it names both resolve at 4 ranks
+    assert "--experts ep" in error.message and "'model.layers.*.mlp.experts': 'replicate'" in (
+        error.message
+    )
+    assert not tpviz.resolve_plan(tmp_path, 4, plan_file, experts="ep").errors
+    whole = {k: v for k, v in TP_PLANS["mixtral"].items() if ".experts" not in k}
+    whole["model.layers.*.mlp.experts"] = "replicate"
+    assert not tpviz.resolve_plan(tmp_path, 4, whole).errors
     assert not tpviz.resolve_plan(tmp_path, 2, plan_file).errors
     with pytest.raises(tpviz.PlanError, match="uneven_experts|intermediate features"):
         tpviz.launch(tmp_path, 4, plan_file, init="random")

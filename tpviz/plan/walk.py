@@ -193,11 +193,14 @@ class Walk:
         self.errors.require_divisor_of(features)
         if features % self.world_size == 0:
             return
+        module = ".".join("*" if s.isdigit() else s for s in name.split(".")[:-1])
         self.errors.add(
             "uneven_experts",
             name,
             f"{name}: {features} intermediate features of every expert cannot be split evenly "
-            f"over {self.world_size} ranks (transformers' experts kernel needs equal slices)",
+            f"over {self.world_size} ranks (transformers' experts kernel needs equal slices): "
+            f"give each rank whole experts (--experts ep), or keep them whole ({module!r}: "
+            "'replicate' in the plan)",
             lists_world_sizes=True,
         )
 
