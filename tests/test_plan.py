@@ -187,6 +187,44 @@ def test_known_but_unexecutable_style_is_reported_with_its_modules():
     assert "layers.0.proj" in error.message and "ep_router" in error.message
 
 
+class _NormedEmbedding(nn.Embedding):
+    """A vocabulary embedding that normalises the rows it looks up (as Inkling's does)."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__(vocab, dim)
+        self.embed_norm = nn.LayerNorm(dim)
+
+    def forward(self, input_ids):
+        return self.embed_norm(super().forward(input_ids))
+
+
+class _ScaledEmbedding(nn.Embedding):
+    """One that scales its rows by a buffer (as Gemma's does): nothing with weights inside."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__(vocab, dim)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.scale
+
+
+def test_an_embedding_with_weights_inside_computing_on_its_rows_is_not_cut_by_vocabulary():
+    # DTensor sums a vocabulary-cut lookup only where it leaves the module: a norm inside
+    # would see one rank's partial rows (on real ranks DTensor fails there; summed, the
+    # normalised partial rows are not in general the norm of their sum): refused before any rank
+    with torch.device("meta"):
+        model = nn.ModuleDict(
+            {"normed": _NormedEmbedding(10, 4), "scaled": _ScaledEmbedding(10, 4)}
+        )
+    plan = resolve_plan(model, 2, {"normed": "embedding_rowwise", "scaled": "embedding_rowwise"})
+    (error,) = plan.errors
+    assert (error.code, error.name) == ("unsupported_style", "normed")
+    assert "no submodule with weights (such as a norm)" in error.message
+    assert "_NormedEmbedding" in error.message
+    assert plan.tensor("scaled.weight").placement == "shard(0)"
+
+
 def test_pattern_that_matches_nothing_is_a_warning():
     plan = toy_plan({"layers.*.mlp.w1": "colwise"})
     assert [(w.code, w.name) for w in plan.warnings] == [

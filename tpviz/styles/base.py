@@ -27,7 +27,8 @@ EXPERTS = "experts"  # a module holding stacked expert tensors (experts, ...)
 ANY = "any"
 MODULE_NAMES = {
     LINEAR: "nn.Linear",
-    EMBEDDING: "nn.Embedding",
+    EMBEDDING: "an nn.Embedding that looks up the ids it is given first and has no "
+    "submodule with weights (such as a norm) computing on the rows it looks up",
     EXPERTS: "an experts module (one holding stacked expert tensors of 3 or more dims)",
 }
 
@@ -52,7 +53,10 @@ def module_kind(module: nn.Module) -> str:
     if isinstance(module, nn.Linear):
         return LINEAR
     if isinstance(module, nn.Embedding) and _looks_up_ids_first(type(module)):
-        return EMBEDDING
+        # a submodule with weights of its own (a norm) computes on the rows looked up, inside
+        # the forward; DTensor sums a vocabulary-cut lookup only where it leaves the module
+        if all(next(m.parameters(), None) is None for m in module.children()):
+            return EMBEDDING
     if any(p is not None and p.dim() >= 3 for p in module._parameters.values()):
         return EXPERTS
     return type(module).__name__

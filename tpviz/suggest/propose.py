@@ -34,7 +34,7 @@ from torch import nn
 
 from ..plan import ResolvedPlan, resolve_plan
 from ..plan.experts import EP_MODULE, EXPERT_STYLES, TP_MODULE
-from ..styles import EMBEDDING, module_kind
+from ..styles import EMBEDDING, MODULE_NAMES, module_kind
 from .dataflow import trace
 from .prove import Proof
 
@@ -213,6 +213,8 @@ def _not_candidates(instance: nn.Module, covered: set[str]) -> list[Decision]:
         if pattern in covered or pattern in found or not list(module.parameters(recurse=False)):
             continue
         why = f"{type(module).__name__} is not an nn.Linear or nn.Embedding, the modules cut here"
+        if isinstance(module, nn.Embedding):  # one the embedding style cannot cut
+            why = f"{type(module).__name__} is not {MODULE_NAMES[EMBEDDING]}"
         found[pattern] = Decision("other", [pattern], {}, [why])
     return list(found.values())
 
