@@ -227,8 +227,8 @@ def _saved_as(name: str, renamed: Mapping[str, str]) -> str:
     """`name`'s checkpoint key, where the checkpoint holds tensors like it (another layer's or
     expert's) under other names than the model's: " (saved as KEY)", else ""."""
     pattern, numbers = _numbering(name)
-    around = renamed.get(pattern, "").split("{}")
-    if len(around) != len(numbers) + 1 or pattern not in renamed:
+    around = renamed[pattern].split("{}") if pattern in renamed else []
+    if len(around) != len(numbers) + 1:
         return ""
     key = "".join(part + number for part, number in zip(around, [*numbers, ""]))
     return f" (saved as {key})"
