@@ -191,7 +191,7 @@ class LoadJob:
         """Every rank is gone: in the events dir, a rank that had not ended its file (the
         launcher ended it) says how the job ended."""
         if self._events_dir and self.result is None:
-            why = str(self.error or f"the job was shut down while {self.state}")
+            why = str(self.error or "the job was shut down before every rank had loaded")
             modules = [self.progress[r].module for r in range(self.plan.world_size)]
             end_rank_files(self._events_dir, modules, why, time.time())
 
