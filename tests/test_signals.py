@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tpviz.events import Error, read_events_dir
 from tpviz.processes import Ranks
 from tpviz.rankserver import LOCK, remove_stale_workdirs
 
@@ -92,6 +93,11 @@ def test_stop_signals_cancel_cleanly_and_leave_nothing(tmp_path, tiny, signum):
     assert "Traceback" not in err and "Exception in thread" not in err, err
     assert f"interrupted ({signal.Signals(signum).name})" in err
     assert_empty_soon(tmpdir)
+    # the ranks it ended wrote nothing of it: the launcher ended their events files
+    events = read_events_dir(tmp_path / "events")
+    for rank in (0, 1):
+        last = [e for e in events if e.rank == rank][-1]
+        assert isinstance(last, Error) and last.message.startswith("the job ended: "), last
 
 
 @pytest.mark.slow
