@@ -217,8 +217,19 @@ def test_head_sizes_set_per_layer_are_read_from_each_layers_attention(tmp_path):
     ]
     assert widths == [8 * 256, 8 * 512]
     assert tpviz.simulate_plan(plan).ok
-    (error,) = tpviz.resolve_plan(tmp_path, 16).errors
-    assert error.code == "head_alignment" and "world sizes that work: 1, 2, 4, 8" in error.message
+    errors = tpviz.resolve_plan(tmp_path, 16).errors  # query and key-value heads
+    assert [e.name.rsplit(".", 1)[1] for e in errors] == ["q_proj", "k_proj"]
+    for error in errors:
+        assert error.code == "head_alignment"
+        assert "world sizes that work: 1, 2, 4, 8" in error.message
+    # 8 ranks, 4 key-value heads: each held whole by the 2 ranks whose query heads use it (the
+    # config's hidden / heads, 16, once passed for a head size and cut them in halves)
+    plan = tpviz.resolve_plan(tmp_path, 8)
+    assert not plan.errors and len(plan.local_kv_groups) == 2
+    k_proj = plan.tensor("model.layers.1.self_attn.k_proj.weight")  # 4 heads of 512
+    assert [r.blocks[0].offset[0] for r in k_proj.ranks] == [0, 0, 512, 512, 1024, 1024, 1536, 1536]
+    assert {r.shape[0] for r in k_proj.ranks} == {512}
+    assert tpviz.simulate_plan(plan).ok
 
 
 def test_heads_are_checked_in_an_attention_that_holds_another(tmp_path):

@@ -119,7 +119,9 @@ def head_cuts(
         if weight is None or weight.dim() <= style.weight_dim:
             continue
         attn = model.get_submodule(owner)
-        sizes = attention[owner] | ({counts.head_dim} - {0})
+        # the module's own head sizes; the config's only where it declares none (a config
+        # that sets head_dim per layer, Gemma 4's, gives hidden / heads, a size no head has)
+        sizes = attention[owner] or ({counts.head_dim} - {0})
         heads, kv = _counts(attn, counts)
         parts = style.packed_parts
         part_len = weight.shape[style.weight_dim] // parts
@@ -277,3 +279,12 @@ def _holds_heads(
         if p.dim() == 1 and p.shape[0] == width and width not in other_widths:
             return c.module, True
     return None
+
+
+def set_local_kv_groups(attention: nn.Module, groups: int) -> None:
+    """Each rank holds one key-value head for its `groups` query heads; attention code that
+    repeats key-value heads by the module's `num_key_value_groups` (transformers') must repeat
+    them that often, not by the global ratio. Code that reads the ratio off the tensors' head
+    counts (the built-in Llama) needs nothing."""
+    if isinstance(getattr(attention, "num_key_value_groups", None), int):
+        attention.num_key_value_groups = groups

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..checkpoint import dtype_name
+from ..heads import set_local_kv_groups
 from ..plan import ResolvedPlan, TensorPlan
 from ..plan.experts import local_experts
 from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward
@@ -120,7 +121,7 @@ def apply_styles(model: nn.Module, plan: ResolvedPlan, mesh: DeviceMesh) -> None
     """Install the forward hooks of every module whose style redistributes activations, and
     give attention whose key-value heads are replicated its local head ratio."""
     for name, groups in plan.local_kv_groups.items():
-        _set_local_kv_groups(model.get_submodule(name), groups)
+        set_local_kv_groups(model.get_submodule(name), groups)
     experts = local_experts(plan, mesh.get_local_rank())
     for name in plan.module_styles:
         forward = forward_of(plan, name)
@@ -137,15 +138,6 @@ def apply_styles(model: nn.Module, plan: ResolvedPlan, mesh: DeviceMesh) -> None
         module.register_forward_hook(
             lambda mod, inputs, output, forward=forward: _prepare_output(forward, output, mesh)
         )
-
-
-def _set_local_kv_groups(attention: nn.Module, groups: int) -> None:
-    """Each rank holds one key-value head for its `groups` query heads; attention code that
-    repeats key-value heads by the module's `num_key_value_groups` (transformers') must repeat
-    them that often, not by the global ratio. Code that reads the ratio off the tensors' head
-    counts (the built-in Llama) needs nothing."""
-    if isinstance(getattr(attention, "num_key_value_groups", None), int):
-        attention.num_key_value_groups = groups
 
 
 def is_distributed(plan: ResolvedPlan, entry: TensorPlan) -> bool:

@@ -22,6 +22,7 @@ from torch import nn
 from ..chunks import Block
 from ..errors import failed_in, failing_module
 from ..format import first_line
+from ..heads import set_local_kv_groups
 from ..plan import ResolvedPlan, TensorPlan
 from ..plan.experts import local_experts
 from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward
@@ -135,6 +136,8 @@ def run_ranks(
     copies = []
     for rank in range(plan.world_size):
         local = _rank_copy(model, plan, rank)
+        for name, groups in plan.local_kv_groups.items():
+            set_local_kv_groups(local.get_submodule(name), groups)
         experts = local_experts(plan, rank)
         for mod_name, style_name in plan.module_styles.items():
             forward = STYLES[style_name].forward
