@@ -567,6 +567,9 @@ def test_files_the_launcher_ends_read_as_failed_even_where_a_rank_was_cut_off(tm
     assert len(read_events_dir(tmp_path)) == 4  # rank 1's done is its own end: left alone
     end_rank_files(tmp_path, [None] * 3, "again", 4.0)  # every file has its end now
     assert tail.read_new() == []
+    # ranks ended before any made the dir (a --events dir is made by the first rank to write)
+    end_rank_files(tmp_path / "new", [None, None], "the load was cancelled", 5.0)
+    assert [e.rank for e in read_events_dir(tmp_path / "new")] == [0, 1]
 
 
 @pytest.mark.slow

@@ -222,7 +222,9 @@ def end_rank_files(
     writes nothing of it) with an `error` saying `why`, at the module it was in (`modules`,
     by rank), so that a follower of the dir sees the job end rather than files that stop
     growing. A line the rank was cut off in is ended first (readers skip it); a file that
-    cannot be written or read is left as it is."""
+    cannot be written or read is left as it is. The dir is made if no rank had made it yet."""
+    with contextlib.suppress(OSError):
+        os.makedirs(directory, exist_ok=True)
     for rank, module in enumerate(modules):
         path = events_file(directory, rank)
         with contextlib.suppress(OSError, ValueError), open(path, "a+b") as f:
