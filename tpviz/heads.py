@@ -21,6 +21,7 @@ own few heads.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
@@ -281,10 +282,13 @@ def _holds_heads(
     return None
 
 
-def set_local_kv_groups(attention: nn.Module, groups: int) -> None:
-    """Each rank holds one key-value head for its `groups` query heads; attention code that
+def set_local_kv_groups(model: nn.Module, groups: Mapping[str, int]) -> None:
+    """On a rank (real or simulated): each attention module in `groups` (a plan's
+    `local_kv_groups`) holds one key-value head for that many query heads; attention code that
     repeats key-value heads by the module's `num_key_value_groups` (transformers') must repeat
     them that often, not by the global ratio. Code that reads the ratio off the tensors' head
     counts (the built-in Llama) needs nothing."""
-    if isinstance(getattr(attention, "num_key_value_groups", None), int):
-        attention.num_key_value_groups = groups
+    for name, count in groups.items():
+        attention = model.get_submodule(name)
+        if isinstance(getattr(attention, "num_key_value_groups", None), int):
+            attention.num_key_value_groups = count

@@ -16,10 +16,13 @@ import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from torch import nn
 
 from .checkpoint import Checkpoint, torch_dtype
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -47,15 +50,19 @@ class KeyMapError(ValueError):
     """Checkpoint tensors that cannot be assembled as the model class asks."""
 
 
-def _odd_one_out(layouts: Sequence[Layout], kept: Callable[[Layout], Hashable]) -> str | None:
-    """Where `kept(layout)` (what must agree) differs between layouts: the first layout that
-    differs from most, named by its first checkpoint key, beside one that agrees."""
-    counts = Counter(kept(lay) for lay in layouts)
+def _odd_one_out(items: Sequence[T], kept: Callable[[T], Hashable]) -> tuple[T, T] | None:
+    """Where `kept(item)` (what must agree) differs between items: the first item that differs
+    from most, and one that agrees; None where all agree."""
+    counts = Counter(kept(item) for item in items)
     if len(counts) == 1:
         return None
     usual = counts.most_common(1)[0][0]
-    odd = next(lay for lay in layouts if kept(lay) != usual)
-    like = next(lay for lay in layouts if kept(lay) == usual)
+    odd = next(item for item in items if kept(item) != usual)
+    like = next(item for item in items if kept(item) == usual)
+    return odd, like
+
+
+def _shapes_differ(odd: Layout, like: Layout) -> str:
     return f"{_named(odd)} is {odd.shape} where {_named(like)} is {like.shape}"
 
 
@@ -66,9 +73,9 @@ def _named(layout: Layout) -> str:
 
 def stack(layouts: Sequence[Layout], dim: int) -> Layout:
     """`torch.stack` of the layouts along a new dim `dim`."""
-    odd = _odd_one_out(layouts, lambda lay: tuple(lay.shape))
-    if odd:
-        raise KeyMapError(f"cannot stack them: {odd}")
+    differ = _odd_one_out(layouts, lambda lay: tuple(lay.shape))
+    if differ:
+        raise KeyMapError(f"cannot stack them: {_shapes_differ(*differ)}")
     shape = list(layouts[0].shape)
     dim = dim % (len(shape) + 1)
     sources = [
@@ -87,9 +94,9 @@ def cat(layouts: Sequence[Layout], dim: int) -> Layout:
     def other_dims(lay: Layout) -> tuple[int, ...]:
         return len(lay.shape), *lay.shape[:dim], *lay.shape[dim + 1 :]
 
-    odd = _odd_one_out(layouts, other_dims)
-    if odd:
-        raise KeyMapError(f"cannot concatenate them along dim {dim}: {odd}")
+    differ = _odd_one_out(layouts, other_dims)
+    if differ:
+        raise KeyMapError(f"cannot concatenate them along dim {dim}: {_shapes_differ(*differ)}")
     sources, start = [], 0
     for lay in layouts:
         for s in lay.sources:
@@ -238,17 +245,15 @@ def _check_found(e, found: Assembly, infos: list, errors) -> None:
     """The checkpoint tensors a model tensor is read from, against it: one dtype, of the same
     kind (floating point or not), making its shape."""
     e.source_dtype = infos[0].dtype
-    dtypes = Counter(i.dtype for i in infos)
-    if len(dtypes) > 1:
-        usual = dtypes.most_common(1)[0][0]
-        odd = next(i for i in infos if i.dtype != usual)
-        like = next(i for i in infos if i.dtype == usual)
+    differ = _odd_one_out(infos, lambda i: i.dtype)
+    if differ:
+        odd, like = differ
         errors.add(
             "mixed_dtypes",
             e.name,
             f"{e.name}: {odd.file}: tensor {odd.name!r} is {odd.dtype} where {like.name!r} is "
-            f"{usual}, and the {len(infos)} tensors it is made from must share one dtype; save "
-            "them in one dtype",
+            f"{like.dtype}, and the {len(infos)} tensors it is made from must share one dtype; "
+            "save them in one dtype",
         )
     if infos[0].torch_dtype.is_floating_point != torch_dtype(e.dtype).is_floating_point:
         errors.add(

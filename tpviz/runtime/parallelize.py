@@ -120,8 +120,7 @@ def _install_partial_hooks(
 def apply_styles(model: nn.Module, plan: ResolvedPlan, mesh: DeviceMesh) -> None:
     """Install the forward hooks of every module whose style redistributes activations, and
     give attention whose key-value heads are replicated its local head ratio."""
-    for name, groups in plan.local_kv_groups.items():
-        set_local_kv_groups(model.get_submodule(name), groups)
+    set_local_kv_groups(model, plan.local_kv_groups)
     experts = local_experts(plan, mesh.get_local_rank())
     for name in plan.module_styles:
         forward = forward_of(plan, name)

@@ -136,8 +136,7 @@ def run_ranks(
     copies = []
     for rank in range(plan.world_size):
         local = _rank_copy(model, plan, rank)
-        for name, groups in plan.local_kv_groups.items():
-            set_local_kv_groups(local.get_submodule(name), groups)
+        set_local_kv_groups(local, plan.local_kv_groups)
         experts = local_experts(plan, rank)
         for mod_name, style_name in plan.module_styles.items():
             forward = STYLES[style_name].forward
