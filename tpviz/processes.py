@@ -264,13 +264,25 @@ def _pump_once(ranks: Ranks) -> bool:
     # sends before it exits, so all it sent is in its pipe now and is read first. (A rank
     # that reports its error and exits at once fails the job with that error, not "died".)
     exited = {rank: p.exitcode for rank, p in enumerate(ranks.procs) if p.exitcode is not None}
+    # A rank killed by a signal is judged before what the others say: their errors (a peer's
+    # connection closed in a collective) follow from its death, and may be in this tick too.
+    killed = {rank: code for rank, code in exited.items() if code < 0}
+    for rank in killed:
+        _hand_over(ranks.conns[rank], rank, listener, drain=True)
+    if killed:
+        listener._check(killed)
     for rank, conn in enumerate(ranks.conns):
-        if conn in ready or rank in exited:
-            listener._heard(rank)  # a readable pipe is a live (or ended) rank
-            for message in _received(conn, drain=rank in exited):
-                listener._handle(rank, message)
+        if rank not in killed and (conn in ready or rank in exited):
+            _hand_over(conn, rank, listener, drain=rank in exited)
     listener._check(exited)
     return True
+
+
+def _hand_over(conn: Connection, rank: int, listener: Listener, drain: bool) -> None:
+    """What a readable (or ended) rank's pipe holds, to the listener."""
+    listener._heard(rank)  # a readable pipe is a live (or ended) rank
+    for message in _received(conn, drain):
+        listener._handle(rank, message)
 
 
 def _received(conn: Connection, drain: bool) -> Iterator[Any]:
