@@ -13,6 +13,23 @@ TINY_DIMS = dict(
 )
 
 
+def gemma4_with_vision():
+    """Gemma 4 whole, vision tower included (no audio): its forward reads the pad row of the
+    text embedding's weight itself, outside the embedding module."""
+    import transformers
+
+    text = dict(TINY_DIMS, pad_token_id=0, head_dim=16, vocab_size_per_layer_input=1003)
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    return transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+
+
 def save_tiny(config, path, seed: int):
     """Build transformers' model for `config` from `seed`, its norms moved away from one (so a
     misplaced row shows), and save it in several files; returns `path`."""

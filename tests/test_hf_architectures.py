@@ -16,7 +16,7 @@ import tpviz
 from tpviz import cli
 from tpviz.models import FIXED_PROMPT
 
-from .hf_tiny import TINY_DIMS, save_tiny
+from .hf_tiny import TINY_DIMS, gemma4_with_vision, save_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -243,3 +243,23 @@ def test_heads_are_checked_in_an_attention_that_holds_another(tmp_path):
     assert "world sizes that work: 1, 2, 4, 8" in error.message
     plan = tpviz.resolve_plan(tmp_path, 2)
     assert not plan.errors and tpviz.simulate_plan(plan).ok
+
+
+@pytest.mark.slow
+def test_a_plan_whose_weight_the_model_reads_outside_its_module_fails_then_the_suggestion_loads(
+    tmp_path,
+):
+    source = save_tiny(gemma4_with_vision(), tmp_path / "gemma4", seed=0)
+    expected = transformers_logits(source, "float32")
+    prompt = torch.tensor(FIXED_PROMPT) % 1003
+    with tpviz.launch(source, 2, verify=False) as first:  # transformers' plan cuts the embedding
+        first.wait(180)
+        with pytest.raises(tpviz.LoadError, match="forward failed in model: .*DTensor") as failed:
+            first.forward(prompt)
+        assert "`tpviz plan --simulate` names it" in str(failed.value)
+        suggested = tpviz.suggest_plan(source, 2).plan
+        with first.reload(plan=suggested) as job:  # the same ranks: their group survived
+            result = job.wait(180)
+            logits = job.forward(prompt)
+    assert result["plan_matches_shards"]
+    assert (logits - expected).abs().max().item() <= TOLERANCE["float32"]

@@ -14,7 +14,7 @@ import tpviz
 from tpviz import cli
 from tpviz.models.demo import make_checkpoint
 
-from .hf_tiny import TINY_DIMS, save_tiny
+from .hf_tiny import TINY_DIMS, gemma4_with_vision, save_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,3 +124,21 @@ def test_a_config_whose_own_forward_fails_is_named_as_the_cause(tmp_path, capsys
     err = capsys.readouterr().err
     assert "the whole model's forward fails" in err and "check the config" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_sharded_weight_read_outside_its_module_fails_as_on_real_ranks(tmp_path):
+    # real ranks hold the cut embedding as a DTensor, and Gemma 4's own forward indexes it
+    # (its pad row) and mixes that with plain tensors: they fail there, so must simulated ranks
+    gemma4_with_vision().save_pretrained(tmp_path)
+    plan = tpviz.resolve_plan(tmp_path, 2)
+    assert not plan.errors
+    embedding = "model.language_model.embed_tokens"
+    assert plan.module_styles[embedding] == "embedding_rowwise"
+    simulation = tpviz.simulate_plan(plan)
+    assert not simulation.ok
+    assert f"reads {embedding}.weight outside its module's forward" in simulation.reason
+    assert f"keep {embedding} whole" in simulation.reason
+    suggestion = tpviz.suggest_plan(tmp_path, 2)
+    assert suggestion.resolved.tensor(f"{embedding}.weight").placement == "replicate"
+    assert suggestion.resolved.tensor(f"{embedding}_per_layer.weight").placement != "replicate"
+    assert tpviz.simulate_plan(suggestion.resolved).ok

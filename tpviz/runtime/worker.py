@@ -42,6 +42,10 @@ from .options import WorkerSpec
 from .sink import EventSink
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+DTENSOR_MET_OUTSIDE = (
+    "the model's code uses a tensor this rank holds as a DTensor outside its module; "
+    "`tpviz plan --simulate` names it, `tpviz plan --suggest` finds a plan that runs"
+)
 
 
 def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
@@ -155,6 +159,8 @@ def _failed(loaded: ShardedModel, command: Command, error: Exception, why: str =
     one did (a plan whose styles do not compose fails in the module they break), the
     traceback beside it."""
     said = error_text(error)
+    if "mixed torch.Tensor and DTensor" in said:  # DTensor's words for it
+        said += f" ({DTENSOR_MET_OUTSIDE})"
     kind = type(error).__name__
     where = failed_in(failing_module(error, loaded.model))
     text = f"rank {loaded.rank}: {command.name} failed{where}: {why}{kind}"

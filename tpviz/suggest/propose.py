@@ -124,7 +124,9 @@ def suggest_plan(
     kept, decisions, diff = _experts_first(proof, ep_keys)
     for unit in _units(instance, proof.run):
         kind = "+".join(dict.fromkeys(kind for kind, _, _ in unit))
-        decision = Decision(kind, [n for _, cols, rows in unit for n in cols + rows], {})
+        # parts joined by a shared module name each layer's modules alike: list each once
+        patterns = list(dict.fromkeys(n for _, cols, rows in unit for n in cols + rows))
+        decision = Decision(kind, patterns, {})
         for styles in _style_sets(unit):
             trial = {**kept, **styles}
             why, d = proof.check(trial)

@@ -8,6 +8,9 @@ rank's columns, an embedding looked up in the rank's rows only, an experts modul
 remapped to the rank's own experts and its partial outputs summed. The module code itself runs
 unchanged on local tensors, as on real ranks: forward code that reshapes by a head-count
 attribute, or normalises over features the plan cut, fails or differs here as it would there.
+Real ranks hold the tensors of a module computing on DTensors as DTensors, which only that
+module's own forward can use: code elsewhere reading one (Gemma 4 takes the pad row of the
+embedding's weight) fails there, so it fails here too (`_DTensorWatch`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from ..chunks import Block
 from ..errors import failed_in, failing_module
@@ -68,6 +73,40 @@ def _rank_copy(model: nn.Module, plan: ResolvedPlan, rank: int) -> nn.Module:
         if e.placement != REPLICATE:
             p.data = _local(p.data, e.ranks[rank].blocks)
     return local
+
+
+class _DTensorWatch(TorchFunctionMode):
+    """Fails an op that makes a tensor from a parameter real ranks hold as a DTensor, run
+    anywhere but in the forward of a module holding it (metadata reads, such as its dtype, make
+    no tensor and pass). One per rank thread: torch function modes are thread-local."""
+
+    def __init__(self, model: nn.Module, plan: ResolvedPlan):
+        super().__init__()
+        self.running: set[nn.Module] = set()
+        self.held: dict[int, tuple[str, list[nn.Module]]] = {}
+        for name, style in plan.module_styles.items():
+            forward = STYLES[style].forward
+            if forward is None or not forward.on_dtensors:
+                continue
+            module = model.get_submodule(name)
+            module.register_forward_pre_hook(lambda m, a: self.running.add(m), prepend=True)
+            module.register_forward_hook(lambda m, a, o: self.running.discard(m), always_call=True)
+            for leaf, p in module._parameters.items():
+                if p is not None:
+                    self.held.setdefault(id(p), (f"{name}.{leaf}", []))[1].append(module)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(x, torch.Tensor) for x in tree_leaves(out)):
+            for x in tree_leaves((args, kwargs)):
+                name, owners = self.held.get(id(x), (None, ()))
+                if name is not None and not self.running.intersection(owners):
+                    raise RuntimeError(
+                        f"the model's code reads {name} outside its module's forward; real "
+                        "ranks hold it as a DTensor, which fails there: keep "
+                        f"{name.rpartition('.')[0]} whole ('replicate')"
+                    )
+        return out
 
 
 def _install(module: nn.Module, style_name: str, weight: TensorPlan, rank: int, c: _Collective):
@@ -133,7 +172,7 @@ def run_ranks(
     """`run` on every simulated rank of `plan` (resolved against `model`); each rank's result.
     Raises RankForwardError for the rank that failed first."""
     collective = _Collective(plan.world_size)
-    copies = []
+    copies, watches = [], []
     for rank in range(plan.world_size):
         local = _rank_copy(model, plan, rank)
         set_local_kv_groups(local, plan.local_kv_groups)
@@ -147,13 +186,14 @@ def run_ranks(
             elif forward is not None:
                 biases = plan.replicated_biases(mod_name)
                 _install_partial(module, forward, experts.get(mod_name), biases, rank, collective)
+        watches.append(_DTensorWatch(local, plan))
         copies.append(local)
     results: list[torch.Tensor | None] = [None] * plan.world_size
     errors: list[BaseException | None] = [None] * plan.world_size
 
     def work(rank: int) -> None:
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), watches[rank]:
                 results[rank] = run(copies[rank])
         except BaseException as e:  # noqa: BLE001 - reported to the caller below
             errors[rank] = e
