@@ -263,3 +263,66 @@ def test_a_plan_whose_weight_the_model_reads_outside_its_module_fails_then_the_s
             logits = job.forward(prompt)
     assert result["plan_matches_shards"]
     assert (logits - expected).abs().max().item() <= TOLERANCE["float32"]
+
+
+def save_llava_in_its_older_layout(path):
+    """A tiny LLaVA (an image-text-to-text model; no causal-LM class) saved with the keys LLaVA
+    checkpoints made before transformers 5 have (`language_model.model.*`,
+    `language_model.lm_head.*`, `vision_tower.*`), which transformers renames when it loads."""
+    from safetensors.torch import save_file
+
+    text = dict(DIMS, head_dim=16, model_type="llama")
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    older = {
+        "model.language_model.": "language_model.model.",
+        "lm_head.": "language_model.lm_head.",
+    }
+    state = {}
+    for name, tensor in model.state_dict().items():
+        prefix = next((p for p in older if name.startswith(p)), None)
+        state[older[prefix] + name[len(prefix) :] if prefix else name.removeprefix("model.")] = (
+            tensor.contiguous()
+        )
+    path.mkdir()
+    config.save_pretrained(path)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.slow
+def test_an_image_text_to_text_model_in_its_older_key_layout_loads_as_transformers_reads_it(
+    tmp_path,
+):
+    source = save_llava_in_its_older_layout(tmp_path / "llava")
+    model = transformers.AutoModelForImageTextToText.from_pretrained(source).eval()
+    prompt = torch.tensor(FIXED_PROMPT) % 1003
+    with torch.no_grad():
+        expected = model(input_ids=prompt).logits
+    plan = tpviz.resolve_plan(source, 2)
+    assert not plan.errors
+    q_proj = plan.tensor("model.language_model.layers.0.self_attn.q_proj.weight")
+    assert q_proj.placement != "replicate"
+    assert q_proj.checkpoint_keys == ["language_model.model.layers.0.self_attn.q_proj.weight"]
+    with tpviz.launch(source, 2, verify=False) as job:
+        result = job.wait(180)
+        logits = job.forward(prompt)
+    assert result["plan_matches_shards"]
+    assert (logits - expected).abs().max().item() <= TOLERANCE["float32"]
+
+
+def test_a_model_type_transformers_builds_into_no_model_for_token_ids_is_refused(tmp_path, capsys):
+    transformers.AutoConfig.for_model("vit", hidden_size=32).save_pretrained(tmp_path)
+    assert cli.main(["plan", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model_type 'vit' neither as a causal LM nor as an image-text-to-text model" in err
+    assert len(err.splitlines()) == 1

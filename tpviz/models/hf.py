@@ -97,9 +97,25 @@ class HFAdapter(ModelAdapter):
         return model_type
 
     def build(self, config: dict[str, Any]) -> nn.Module:
-        auto = self.transformers.AutoModelForCausalLM
+        auto = self._auto_class()
         with _judged_by_transformers():
             return auto.from_config(self.hf_config, trust_remote_code=self.trust_remote_code)
+
+    def _auto_class(self):
+        """The transformers class that makes logits from token ids for this config: a causal
+        LM, else an image-text-to-text model (LLaVA, Qwen2-VL: their text runs without an
+        image). A config with its own code (`auto_map`) names its class itself."""
+        causal = self.transformers.AutoModelForCausalLM
+        if self.trust_remote_code:
+            return causal
+        for auto in (causal, self.transformers.AutoModelForImageTextToText):
+            if type(self.hf_config) in auto._model_mapping:
+                return auto
+        raise ConfigError(
+            f"config.json: transformers builds model_type {self.hf_config.model_type!r} neither "
+            "as a causal LM nor as an image-text-to-text model, the two that make logits from "
+            "token ids; tpviz loads those only"
+        )
 
     def kept_in_float32(self, model: nn.Module, dtype: torch.dtype) -> re.Pattern | None:
         """What transformers keeps float32 at load: the model's `_keep_in_fp32_modules` (under
