@@ -28,7 +28,7 @@ ANY = "any"
 MODULE_NAMES = {
     LINEAR: "nn.Linear",
     EMBEDDING: "an nn.Embedding that looks up the ids it is given first and has no "
-    "submodule with weights (such as a norm) computing on the rows it looks up",
+    "submodule (such as a norm) computing on the rows it looks up",
     EXPERTS: "an experts module (one holding stacked expert tensors of 3 or more dims)",
 }
 
@@ -53,9 +53,9 @@ def module_kind(module: nn.Module) -> str:
     if isinstance(module, nn.Linear):
         return LINEAR
     if isinstance(module, nn.Embedding) and _looks_up_ids_first(type(module)):
-        # a submodule with weights of its own (a norm) computes on the rows looked up, inside
+        # a submodule (a norm, with or without weights) computes on the rows looked up, inside
         # the forward; DTensor sums a vocabulary-cut lookup only where it leaves the module
-        if all(next(m.parameters(), None) is None for m in module.children()):
+        if next(module.children(), None) is None:
             return EMBEDDING
     if any(p is not None and p.dim() >= 3 for p in module._parameters.values()):
         return EXPERTS
