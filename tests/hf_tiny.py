@@ -19,25 +19,28 @@ def gemma4_with_vision():
     import transformers
 
     text = dict(TINY_DIMS, pad_token_id=0, head_dim=16, vocab_size_per_layer_input=1003)
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
+    vision = dict(VISION, num_key_value_heads=2, head_dim=16)
     return transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
 
 
-def save_tiny(config, path, seed: int):
-    """Build transformers' model for `config` from `seed`, its norms moved away from one (so a
-    misplaced row shows), and save it in several files; returns `path`."""
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
+)
+
+
+def save_tiny(config, path, seed: int, auto: str = "AutoModelForCausalLM"):
+    """Build transformers' model (`auto` class) for `config` from `seed`, its norms moved away
+    from one (so a misplaced row shows), and save it in several files; returns `path`."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = getattr(transformers, auto).from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

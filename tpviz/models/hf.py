@@ -10,7 +10,8 @@ import contextlib
 import difflib
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ class HFAdapter(ModelAdapter):
         self.name = "hf-remote-code" if trust_remote_code else "hf"
         self.source = source
         self.trust_remote_code = trust_remote_code
+        self._inits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.hf_config = self._config(config)
 
     def _config(self, config: dict[str, Any]):
@@ -152,10 +154,10 @@ class HFAdapter(ModelAdapter):
                 module._buffers[name] = _unset_like(module._buffers[name], device)
             owner = module
             with torch.no_grad():
-                model._init_weights(owner)
+                self._init_of(model, owner)(owner)
                 while _unset(module, meta) and owner in parents:
                     owner = parents[owner]
-                    model._init_weights(owner)
+                    self._init_of(model, owner)(owner)
             unset = _unset(module, meta)
             if unset:
                 raise ConfigError(
@@ -165,7 +167,25 @@ class HFAdapter(ModelAdapter):
 
     def init_module(self, model: nn.Module, module: nn.Module) -> None:
         with torch.no_grad():
-            model._init_weights(module)
+            self._init_of(model, module)(module)
+
+    def _init_of(self, model: nn.Module, module: nn.Module) -> Callable[[nn.Module], None]:
+        """The `_init_weights` transformers gives `module`: that of the innermost transformers
+        model holding it, as its `initialize_weights` dispatches a composite model (PaliGemma's
+        own does not set the scale of the Gemma embedding its language model holds)."""
+        if model not in self._inits:
+            inits: dict[nn.Module, Callable] = {}
+            pretrained = self.transformers.PreTrainedModel
+
+            def walk(m: nn.Module, init: Callable) -> None:
+                init = m._init_weights if isinstance(m, pretrained) else init
+                inits[m] = init
+                for child in m.children():
+                    walk(child, init)
+
+            walk(model, model._init_weights)
+            self._inits[model] = inits
+        return self._inits[model][module]
 
     def vocab_size(self, config: dict[str, Any]) -> int:
         return int(self.hf_config.get_text_config().vocab_size)
