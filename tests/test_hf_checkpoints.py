@@ -465,7 +465,7 @@ import torch
 import transformers
 import tpviz
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import Concatenate, Transpose, WeightConverter
+from transformers.core_model_loading import Concatenate, Interleave, WeightConverter
 
 source, prompt = sys.argv[1], torch.tensor(json.loads(sys.argv[2])) % 1003
 fused = WeightConverter(
@@ -479,8 +479,8 @@ with tpviz.launch(source, 2, plan, verify=True) as job:
     logits = job.forward(prompt)
 expected = transformers.AutoModelForCausalLM.from_pretrained(source)(prompt).logits
 qkv = "self_attn.qkv_proj.weight"
-transposed = WeightConverter(qkv, qkv, [Transpose()])
-register_checkpoint_conversion_mapping("phi3", [fused, transposed], overwrite=True)
+interleaved = WeightConverter(qkv, qkv, [Interleave(0)])
+register_checkpoint_conversion_mapping("phi3", [fused, interleaved], overwrite=True)
 print(json.dumps({
     "errors": [e.code for e in plan.errors],
     "keys": gate_up.checkpoint_keys,
@@ -527,7 +527,7 @@ def test_projections_fused_by_a_registered_conversion_are_read_per_source(tmp_pa
     assert out["combine"] == "cat(0)"
     codes = {code for code, _, _ in out["unsupported"]}
     assert codes == {"unsupported_conversion"}
-    assert "Transpose" in out["unsupported"][0][2] and "qkv_proj" in out["unsupported"][0][1]
+    assert "Interleave" in out["unsupported"][0][2] and "qkv_proj" in out["unsupported"][0][1]
 
 
 def test_tensors_transformers_ignores_on_load_are_not_errors(hf_checkpoints, tmp_path):
@@ -550,3 +550,66 @@ def test_tensors_transformers_ignores_on_load_are_not_errors(hf_checkpoints, tmp
     assert [(e.code, e.name) for e in plan.errors] == [
         ("unexpected_tensor", "gpt_neox.layers.0.attention.extra.weight")
     ]
+
+
+# --- tensors saved transposed -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_moe(tmp_path_factory):
+    """A tiny Qwen3-VL-MoE saved as its released checkpoints are: experts `gate_up_proj`
+    [experts, hidden, 2 x intermediate] and `down_proj` [experts, intermediate, hidden], the
+    transposes of the model's, which transformers transposes as it loads; and transformers'
+    logits of it."""
+    from safetensors.torch import save_file
+
+    from .hf_tiny import VISION
+
+    path = tmp_path_factory.mktemp("transposed") / "qwen3_vl_moe"
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+    text = dict(TINY_DIMS, pad_token_id=0, head_dim=16, num_experts=8, num_experts_per_tok=2)
+    text.update(moe_intermediate_size=48, rope_parameters=rope)
+    vision = dict(VISION, depth=1, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[0])
+    config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
+    torch.manual_seed(11)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    state = {
+        k: (v.transpose(1, 2) if ".experts." in k else v).contiguous()
+        for k, v in model.state_dict().items()
+    }
+    path.mkdir()
+    config.save_pretrained(path)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    loaded = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=torch.tensor(FIXED_PROMPT) % 1003).logits
+    return path, logits
+
+
+def test_experts_saved_transposed_are_read_transposed(qwen3_vl_moe):
+    source, _ = qwen3_vl_moe
+    plan = tpviz.resolve_plan(source, 2)
+    assert not plan.errors
+    gate_up = plan.tensor("model.language_model.layers.0.mlp.experts.gate_up_proj")
+    assert gate_up.global_shape == [8, 96, 128] and gate_up.combine == "transpose(1, 2)"
+    (saved,) = gate_up.sources
+    assert saved.order == [0, 2, 1] and saved.saved(saved.shape) == [8, 128, 96]
+    assert gate_up.placement != "replicate"
+
+
+@pytest.mark.slow
+def test_experts_saved_transposed_load_in_every_strategy_and_layout(qwen3_vl_moe):
+    source, expected = qwen3_vl_moe
+    prompt = torch.tensor(FIXED_PROMPT) % 1003
+    loads = [("sliced", "tp"), ("rank0_broadcast", "ep"), ("replicated", "tp")]
+    job = tpviz.launch(source, 2, strategy="sliced", experts="tp", verify=True)
+    try:
+        for i, (strategy, experts) in enumerate(loads):
+            if i:  # the same ranks
+                job = job.reload(strategy=strategy, experts=experts)
+            result = job.wait(180)
+            assert result["plan_matches_shards"] and result["verify"]["ok"], strategy
+            diff = (job.forward(prompt) - expected).abs().max().item()
+            assert diff <= 1e-4, (strategy, experts, diff)
+    finally:
+        job.shutdown()

@@ -1,5 +1,6 @@
 """Assembled tensors: a source's box in the model tensor, read block by block from a real
-safetensors file, rebuilds exactly what torch.stack / torch.cat / torch.split make."""
+safetensors file, rebuilds exactly what torch.stack / torch.cat / torch.split /
+torch.transpose make."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ import torch
 from safetensors.torch import save_file
 
 from tpviz.checkpoint import BlockReader, Checkpoint
-from tpviz.keymap import Layout, cat, pieces, split, stack
+from tpviz.keymap import Layout, cat, pieces, split, stack, transpose
 from tpviz.plan import local_shape, shard_blocks
+from tpviz.strategies.reads import Read
 
 
 def _assemble(rnd: random.Random, g: torch.Generator):
     """Random per-expert gate/up tensors stacked then concatenated (as MoE checkpoints are),
     two 2-D tensors concatenated along their columns, and split again (parts that cut
-    through a source and span two)."""
+    through a source and span two); tensors saved transposed, alone (Qwen3-VL-MoE's experts)
+    or then stacked, concatenated or split."""
     experts, rows, rows2, cols = (rnd.randint(1, 5) for _ in range(4))
     t = {}
     for e in range(experts):
@@ -47,6 +50,21 @@ def _assemble(rnd: random.Random, g: torch.Generator):
     sizes = [b - a for a, b in zip([0, *cut], [*cut, width])]
     whole = torch.cat([t["a"], t["b"]], 1)
     cases += zip(split(fused, 1, sizes), torch.split(whole, sizes, 1))
+    t["x"] = torch.randn(experts, rows, cols, generator=g)
+    x = Layout.of("x", t["x"].shape)
+    flipped = [transpose(Layout.of(k, t[k].shape), 0, 1) for k in gates]
+    cases += [
+        (transpose(x, 1, 2), t["x"].transpose(1, 2)),
+        (transpose(transpose(x, 0, 2), 0, 1), t["x"].transpose(0, 2).transpose(0, 1)),
+        (stack(flipped, 1), torch.stack([t[k].T for k in gates], 1)),
+        (transpose(stack(flipped, 0), 0, 2), torch.stack([t[k].T for k in gates]).transpose(0, 2)),
+        (transpose(fused, 0, 1), whole.T),
+        (
+            cat([transpose(Layout.of(k, t[k].shape), 0, 1) for k in "ab"], 0),
+            torch.cat([t["a"].T, t["b"].T], 0),
+        ),
+    ]
+    cases += zip(split(transpose(fused, 0, 1), 0, sizes), torch.split(whole.T, sizes, 0))
     return t, cases
 
 
@@ -59,7 +77,9 @@ def test_pieces_rebuild_stacked_and_concatenated_tensors(tmp_path, seed):
     with BlockReader() as reader:
         for layout, expected in cases:
             assert layout.shape == list(expected.shape)
-            boxes = [replace(ckpt.tensors[s.key], shape=tuple(s.shape)) for s in layout.sources]
+            boxes = [
+                replace(ckpt.tensors[s.key], shape=tuple(s.saved(s.shape))) for s in layout.sources
+            ]
             for dim in [None, *range(len(layout.shape))]:
                 world = rnd.randint(1, 4)
                 for rank, blocks in enumerate(shard_blocks(layout.shape, dim, world)):
@@ -68,7 +88,9 @@ def test_pieces_rebuild_stacked_and_concatenated_tensors(tmp_path, seed):
                     for p in pieces(layout.sources, blocks, dim, shape):
                         box = dest[tuple(slice(o, o + n) for o, n in zip(p.dst_offset, p.shape))]
                         assert not p.contiguous or box.is_contiguous()
-                        box.copy_(reader.read_block(boxes[p.source], p.src_offset, p.shape))
+                        read = Read(p.source, p.src_offset, p.dst_offset, p.shape, True, p.order)
+                        offset, saved = read.saved_box
+                        box.copy_(read.placed(reader.read_block(boxes[p.source], offset, saved)))
                     parts = [
                         expected[tuple(slice(o, o + n) for o, n in zip(b.offset, b.shape))]
                         for b in blocks

@@ -40,6 +40,16 @@ def test_chunks_cover_the_read_once_in_order_within_the_limit(shape, limit):
         assert chunks == [read]
 
 
+def test_a_transposed_read_is_one_chunk_read_in_its_saved_order():
+    # its saved rows cross the destination's: cut along the destination's first dim, a chunk
+    # would not be one box of the saved tensor
+    read = Read(0, (1, 2, 3), (0, 0, 0), (4, 5, 6), True, (0, 2, 1))
+    assert staged_chunks(read, 4, 16) == [read]
+    assert read.saved_box == ((1, 3, 2), (4, 6, 5))
+    saved = torch.arange(4 * 6 * 5).reshape(4, 6, 5)
+    assert torch.equal(read.placed(saved), saved.transpose(1, 2))
+
+
 class LateCopies:
     """Two staging buffers and copies that run only when their chunk is retired: the latest
     a device copy may run before its event is waited for."""

@@ -7,7 +7,9 @@ v). A `Source` says where one checkpoint tensor lies in the model tensor: a box,
 shape per dim of the model tensor. Stacking gives the box a new dim of size 1, which leaves the
 source's row-major byte order as it is, so any sub-box of the box can be read as a block of the
 source seen with the box's shape. A split leaves the box where it lies relative to each part,
-reaching past the part's edges (a negative offset): only its overlap with a block is read.
+reaching past the part's edges (a negative offset): only its overlap with a block is read. A
+transpose swaps two dims of the box and records, in `order`, which box dim each of the saved
+tensor's dims runs along: a sub-box is then read in the saved order and permuted into place.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ class Source:
     key: str
     offset: list[int]
     shape: list[int]
+    order: list[int] | None = None  # the box dim each saved dim runs along; None: in order
+
+    def saved(self, box: Sequence[int]) -> list[int]:
+        """`box` (offsets or sizes, in the box's dims) in the saved tensor's dim order."""
+        return list(box) if self.order is None else [box[d] for d in self.order]
 
 
 @dataclass
@@ -79,11 +86,39 @@ def stack(layouts: Sequence[Layout], dim: int) -> Layout:
     shape = list(layouts[0].shape)
     dim = dim % (len(shape) + 1)
     sources = [
-        Source(s.key, [*s.offset[:dim], i, *s.offset[dim:]], [*s.shape[:dim], 1, *s.shape[dim:]])
+        Source(
+            s.key,
+            [*s.offset[:dim], i, *s.offset[dim:]],
+            [*s.shape[:dim], 1, *s.shape[dim:]],
+            None if s.order is None else [dim, *(d + (d >= dim) for d in s.order)],
+        )
         for i, lay in enumerate(layouts)
         for s in lay.sources
     ]
     return Layout([*shape[:dim], len(layouts), *shape[dim:]], sources)
+
+
+def transpose(layout: Layout, dim0: int, dim1: int) -> Layout:
+    """`torch.transpose` of the layout: dims `dim0` and `dim1` swapped."""
+    rank = len(layout.shape)
+    dim0, dim1 = dim0 % rank, dim1 % rank
+
+    def swapped(values: Sequence[int]) -> list[int]:
+        out = list(values)
+        out[dim0], out[dim1] = values[dim1], values[dim0]
+        return out
+
+    relabel = {dim0: dim1, dim1: dim0}
+    sources = [
+        Source(
+            s.key,
+            swapped(s.offset),
+            swapped(s.shape),
+            [relabel.get(d, d) for d in (s.order or range(rank))],
+        )
+        for s in layout.sources
+    ]
+    return Layout(swapped(layout.shape), sources)
 
 
 def cat(layouts: Sequence[Layout], dim: int) -> Layout:
@@ -102,7 +137,7 @@ def cat(layouts: Sequence[Layout], dim: int) -> Layout:
         for s in lay.sources:
             offset = list(s.offset)
             offset[dim] += start
-            sources.append(Source(s.key, offset, list(s.shape)))
+            sources.append(Source(s.key, offset, list(s.shape), s.order))
         start += lay.shape[dim]
     shape = list(first)
     shape[dim] = start
@@ -122,7 +157,7 @@ def split(layout: Layout, dim: int, sizes: Sequence[int]) -> list[Layout]:
             if s.offset[dim] < start + size and s.offset[dim] + s.shape[dim] > start:
                 offset = list(s.offset)
                 offset[dim] -= start
-                sources.append(Source(s.key, offset, list(s.shape)))
+                sources.append(Source(s.key, offset, list(s.shape), s.order))
         shape = list(layout.shape)
         shape[dim] = size
         parts.append(Layout(shape, sources))
@@ -309,6 +344,7 @@ class Piece:
     dst_offset: tuple[int, ...]  # in the destination tensor
     shape: tuple[int, ...]
     contiguous: bool  # the destination box is one contiguous run: read straight into it
+    order: tuple[int, ...] | None = None  # the source's `order`: read permuted
 
     @property
     def numel(self) -> int:
@@ -343,7 +379,9 @@ def _piece(i: int, s: Source, b_lo, b_hi, dim: int | None, pos: int, dest_shape)
     if dim is not None:
         dst[dim] += pos
     src = tuple(low - o for low, o in zip(lo, s.offset))
-    return Piece(i, src, tuple(dst), shape, is_one_run(dest_shape, dst, shape))
+    order = None if s.order is None else tuple(s.order)
+    straight = order is None and is_one_run(dest_shape, dst, shape)
+    return Piece(i, src, tuple(dst), shape, straight, order)
 
 
 def is_one_run(shape: Sequence[int], offset: Sequence[int], box: Sequence[int]) -> bool:

@@ -3,8 +3,9 @@
 transformers keeps, per model type and class, a list of `WeightRenaming`s (renames such as
 GPT-NeoX's `embed_out.` -> `lm_head.`, legacy `LayerNorm.gamma`) and `WeightConverter`s (several
 checkpoint tensors made into one parameter by operations such as `MergeModulelist`, a stack,
-and `Concatenate`; or one made into several by a last `Split` or `Chunk`, such as a fused
-`query_key_value` into q, k and v). tpviz asks transformers for that list
+and `Concatenate`; one saved transposed, by `Transpose`, such as Qwen3-VL-MoE's experts; or
+one made into several by a last `Split` or `Chunk`, such as a fused `query_key_value` into q,
+k and v). tpviz asks transformers for that list
 (`get_model_conversion_mapping`) and renames every key with transformers' own
 `rename_source_key`, so the table cannot drift; the operations are replayed on shapes only
 (`tpviz.keymap`), which tells each rank which boxes of which source tensors hold its slice.
@@ -16,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from ..keymap import Assembly, KeyMap, KeyMapError, Layout, cat, split, stack
+from ..keymap import Assembly, KeyMap, KeyMapError, Layout, cat, split, stack, transpose
 
 
 def checkpoint_map(model: nn.Module, shapes: Mapping[str, Sequence[int]]) -> KeyMap:
@@ -129,7 +130,7 @@ def _assemble(
 ) -> dict[str, Assembly]:
     """Replay the converter's operations on the shapes of its source tensors: the assembly of
     each model tensor in `names`."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist
+    from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
 
     if any(isinstance(op, MergeModulelist) for op in converter.operations):
         _check_members(collected)
@@ -146,6 +147,18 @@ def _assemble(
             ordered = [lay for p in converter.source_patterns for lay in value.get(p, [])]
             value = {"": [cat(ordered, op.dim)]}
             steps.append(f"cat({op.dim})")
+        elif isinstance(op, Transpose):
+            # with check_dims, transformers leaves a tensor already of the model's shape as it is
+            value = {
+                p: [
+                    lay
+                    if op.check_dims and lay.shape == model_shapes.get(names[0])
+                    else transpose(lay, op.dim0, op.dim1)
+                    for lay in layouts
+                ]
+                for p, layouts in value.items()
+            }
+            steps.append(f"transpose({op.dim0}, {op.dim1})")
         elif _splits(op) and op is converter.operations[-1] and len(names) > 1:
             whole = _one_layout(value)
             sizes = _split_sizes(op, whole, names, model_shapes)
@@ -153,9 +166,10 @@ def _assemble(
             steps.append(f"{type(op).__name__.lower()}({op.dim})")
         else:
             raise KeyMapError(
-                "tpviz reads tensors stacked (MergeModulelist), concatenated (Concatenate) or "
-                f"split last (Split, Chunk) from checkpoint tensors, not {type(op).__name__} "
-                "there; save the checkpoint with the model's own tensor names"
+                "tpviz reads tensors stacked (MergeModulelist), concatenated (Concatenate), "
+                "transposed (Transpose) or split last (Split, Chunk) from checkpoint tensors, "
+                f"not {type(op).__name__} there; save the checkpoint with the model's own "
+                "tensor names"
             )
     if len(names) == 1:
         value = {names[0]: [_one_layout(value)]}

@@ -232,8 +232,9 @@ class LoadContext:
 
     def infos(self, t: TensorPlan) -> list[TensorInfo]:
         """The checkpoint entries `t` is read from, checked against the plan at read time; an
-        assembled tensor's sources are seen with the shape of their box in it."""
-        boxes = [s.shape for s in t.sources] or [t.global_shape]
+        assembled tensor's sources are seen with the shape of their box in it (in their saved
+        dim order)."""
+        boxes = [s.saved(s.shape) for s in t.sources] or [t.global_shape]
         return [self._info(t, key, box) for key, box in zip(t.checkpoint_keys, boxes)]
 
     def _info(self, t: TensorPlan, key: str, box: list[int]) -> TensorInfo:
@@ -286,14 +287,15 @@ def read_into(
             with span(READ):
                 ctx.stager.stage(dest, read, info)
             continue
+        offset, shape = read.saved_box
         if ctx:
-            buf = ctx.empty(list(read.shape), info.torch_dtype, "cpu")
+            buf = ctx.empty(list(shape), info.torch_dtype, "cpu")
         else:
-            buf = torch.empty(read.shape, dtype=info.torch_dtype)
+            buf = torch.empty(shape, dtype=info.torch_dtype)
         with span(READ):
-            reader.read_block(info, read.src_offset, read.shape, buf)
+            reader.read_block(info, offset, shape, buf)
         with span(COPY):
-            target.copy_(buf)
+            target.copy_(read.placed(buf))
         if ctx:
             ctx.release(buf)
         del buf

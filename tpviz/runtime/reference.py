@@ -89,7 +89,9 @@ class FullModel:
             for t, full in zip(self.loaded, self.materialize(None, None, self.loaded)):
                 infos = [checkpoint.tensors[k] for k in t.checkpoint_keys]
                 if t.sources:
-                    boxes = [replace(i, shape=tuple(s.shape)) for i, s in zip(infos, t.sources)]
+                    boxes = [
+                        replace(i, shape=tuple(s.saved(s.shape))) for i, s in zip(infos, t.sources)
+                    ]
                     read_into(full, whole_reads(t, cast=True), boxes, None, reader)
                 else:
                     full.copy_(reader.read_full(infos[0]))

@@ -34,13 +34,14 @@ class PinnedStager:
         for chunk in staged_chunks(read, itemsize):
             nbytes = chunk.numel * itemsize
             buffer = self._buffer(self._ring.slot(), nbytes)
-            staged = buffer[:nbytes].view(info.torch_dtype).view(chunk.shape)
+            offset, shape = chunk.saved_box
+            staged = buffer[:nbytes].view(info.torch_dtype).view(shape)
             self.ledger.alloc(nbytes)
-            self.reader.read_block(info, chunk.src_offset, chunk.shape, staged)
+            self.reader.read_block(info, offset, shape, staged)
             # the destination was allocated on the current stream: order the copy after it
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                dest[chunk.target].copy_(staged, non_blocking=True)
+                dest[chunk.target].copy_(chunk.placed(staged), non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.stream)
             self._ring.hold((done, nbytes))

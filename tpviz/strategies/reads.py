@@ -35,6 +35,7 @@ class Read:
     dst_offset: tuple[int, ...]
     shape: tuple[int, ...]
     staged: bool  # through a CPU buffer in the checkpoint's dtype, then copied into place
+    order: tuple[int, ...] | None = None  # a transposed source's dim order (keymap.Source)
 
     @property
     def numel(self) -> int:
@@ -44,6 +45,22 @@ class Read:
     def target(self) -> tuple[slice, ...]:
         """The box in the destination, as an index."""
         return tuple(slice(o, o + n) for o, n in zip(self.dst_offset, self.shape))
+
+    @property
+    def saved_box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offset, shape) of the box in the source as saved: what is read."""
+        if self.order is None:
+            return self.src_offset, self.shape
+        return (
+            tuple(self.src_offset[d] for d in self.order),
+            tuple(self.shape[d] for d in self.order),
+        )
+
+    def placed(self, buffer: torch.Tensor) -> torch.Tensor:
+        """A buffer read with `saved_box`'s shape, seen in the destination's dim order."""
+        if self.order is None:
+            return buffer
+        return buffer.permute([self.order.index(d) for d in range(len(self.order))])
 
 
 def needs_staging(t: TensorPlan, device: str) -> bool:
@@ -96,7 +113,7 @@ def read_pieces(t: TensorPlan, rank: int | None) -> list[Piece]:
 
 
 def _piece_read(p: Piece, staged: bool) -> Read:
-    return Read(p.source, p.src_offset, p.dst_offset, p.shape, staged or not p.contiguous)
+    return Read(p.source, p.src_offset, p.dst_offset, p.shape, staged or not p.contiguous, p.order)
 
 
 def _placed_blocks(t: TensorPlan, rank: int) -> Iterator[tuple[Block, tuple[int, ...]]]:
@@ -125,9 +142,10 @@ def fill_part(part: torch.Tensor, full: torch.Tensor, t: TensorPlan, rank: int) 
 
 def staged_chunks(read: Read, itemsize: int, limit: int = STAGING_CHUNK_BYTES) -> list[Read]:
     """`read` cut along its first dim into reads of at most `limit` bytes each (at least one
-    row each), in order: the pieces a staged read passes through a pinned buffer in."""
+    row each), in order: the pieces a staged read passes through a pinned buffer in. A
+    transposed read is one piece: its saved rows cross the destination's."""
     row = math.prod(read.shape[1:]) * itemsize
-    if not read.shape or read.shape[0] * row <= limit:
+    if not read.shape or read.shape[0] * row <= limit or read.order is not None:
         return [read]
     step = max(1, limit // max(row, 1))
     return [
