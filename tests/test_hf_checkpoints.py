@@ -597,6 +597,31 @@ def test_experts_saved_transposed_are_read_transposed(qwen3_vl_moe):
     assert gate_up.placement != "replicate"
 
 
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (
+            lambda t: t[..., :95],
+            "holds [8, 128, 95] as {}, which transpose(1, 2) makes [8, 95, 128]",
+        ),
+        (lambda t: t[0], "cannot transpose dims 1 and 2 of {}, which is [128, 96]"),
+    ],
+)
+def test_a_broken_transposed_tensor_is_named_with_its_saved_shape(
+    qwen3_vl_moe, tmp_path, change, words
+):
+    from safetensors.torch import load_file, save_file
+
+    source = tmp_path / "broken"
+    shutil.copytree(qwen3_vl_moe[0], source)
+    tensors = load_file(source / "model.safetensors")
+    key = "model.language_model.layers.1.mlp.experts.gate_up_proj"
+    tensors[key] = change(tensors[key]).contiguous()
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    (error,) = tpviz.resolve_plan(source, 2).errors
+    assert error.name == key and words.format(key) in error.message, error.message
+
+
 @pytest.mark.slow
 def test_experts_saved_transposed_load_in_every_strategy_and_layout(qwen3_vl_moe):
     source, expected = qwen3_vl_moe

@@ -101,6 +101,11 @@ def stack(layouts: Sequence[Layout], dim: int) -> Layout:
 def transpose(layout: Layout, dim0: int, dim1: int) -> Layout:
     """`torch.transpose` of the layout: dims `dim0` and `dim1` swapped."""
     rank = len(layout.shape)
+    if not (-rank <= dim0 < rank and -rank <= dim1 < rank):
+        raise KeyMapError(
+            f"cannot transpose dims {dim0} and {dim1} of {_named(layout)}, which is "
+            f"{layout.shape}"
+        )
     dim0, dim1 = dim0 % rank, dim1 % rank
 
     def swapped(values: Sequence[int]) -> list[int]:
@@ -300,7 +305,9 @@ def _check_found(e, found: Assembly, infos: list, errors) -> None:
         )
     if found.shape != e.global_shape:
         if len(infos) == 1:
-            held = f"{infos[0].file} holds {found.shape} as {found.keys[0]}"
+            held = f"{infos[0].file} holds {list(infos[0].shape)} as {found.keys[0]}"
+            if found.combine:  # saved in another layout (transposed)
+                held += f", which {found.combine} makes {found.shape}"
         else:
             held = f"its {len(infos)} checkpoint tensors make {found.shape} ({found.combine})"
         errors.add(
