@@ -265,16 +265,20 @@ def test_a_plan_whose_weight_the_model_reads_outside_its_module_fails_then_the_s
     assert (logits - expected).abs().max().item() <= TOLERANCE["float32"]
 
 
+def text_of(model_type: str) -> dict:
+    """The tiny text model of a multimodal config."""
+    return dict(DIMS, head_dim=16, model_type=model_type)
+
+
 def save_llava_in_its_older_layout(path):
-    """A tiny LLaVA (an image-text-to-text model; no causal-LM class) saved with the keys LLaVA
+    """A tiny LLaVA (a multimodal LM; no causal-LM class) saved with the keys LLaVA
     checkpoints made before transformers 5 have (`language_model.model.*`,
     `language_model.lm_head.*`, `vision_tower.*`), which transformers renames when it loads."""
     from safetensors.torch import save_file
 
-    text = dict(DIMS, head_dim=16, model_type="llama")
-    config = transformers.LlavaConfig(text_config=text, vision_config=VISION)
+    config = transformers.LlavaConfig(text_config=text_of("llama"), vision_config=VISION)
     torch.manual_seed(3)
-    model = transformers.AutoModelForImageTextToText.from_config(config)
+    model = transformers.AutoModelForMultimodalLM.from_config(config)
     older = {
         "model.language_model.": "language_model.model.",
         "lm_head.": "language_model.lm_head.",
@@ -291,14 +295,14 @@ def save_llava_in_its_older_layout(path):
     return path
 
 
-def image_text_logits(source) -> torch.Tensor:
-    model = transformers.AutoModelForImageTextToText.from_pretrained(source).eval()
+def multimodal_logits(source) -> torch.Tensor:
+    model = transformers.AutoModelForMultimodalLM.from_pretrained(source).eval()
     with torch.no_grad():
         return model(input_ids=torch.tensor(FIXED_PROMPT) % 1003).logits
 
 
 @pytest.mark.slow
-def test_image_text_to_text_models_load_as_transformers_reads_them(tmp_path):
+def test_multimodal_lms_load_as_transformers_reads_them(tmp_path):
     llava = save_llava_in_its_older_layout(tmp_path / "llava")
     plan = tpviz.resolve_plan(llava, 2)
     assert not plan.errors
@@ -307,22 +311,28 @@ def test_image_text_to_text_models_load_as_transformers_reads_them(tmp_path):
     assert q_proj.checkpoint_keys == ["language_model.model.layers.0.self_attn.q_proj.weight"]
     # PaliGemma's own _init_weights leaves its Gemma embedding's computed scale unset: the
     # language model's sets it, as transformers dispatches a composite model's init
-    text = dict(DIMS, head_dim=16, model_type="gemma")
-    config = transformers.PaliGemmaConfig(text_config=text, vision_config=VISION)
-    paligemma = save_tiny(config, tmp_path / "paligemma", 4, "AutoModelForImageTextToText")
+    config = transformers.PaliGemmaConfig(text_config=text_of("gemma"), vision_config=VISION)
+    paligemma = save_tiny(config, tmp_path / "paligemma", 4, "AutoModelForMultimodalLM")
+    # an audio LM: Voxtral, a Whisper-like encoder before a Llama
+    audio = dict(VISION, vocab_size=1003)
+    config = transformers.VoxtralConfig(text_config=text_of("llama"), audio_config=audio)
+    voxtral = save_tiny(config, tmp_path / "voxtral", 5, "AutoModelForMultimodalLM")
     prompt = torch.tensor(FIXED_PROMPT) % 1003
+    loaded = []
     with tpviz.launch(llava, 2, verify=False) as first:
-        loaded = [(first.wait(180), first.forward(prompt), llava)]
-        with first.reload(source=paligemma) as job:
-            loaded.append((job.wait(180), job.forward(prompt), paligemma))
+        loaded.append((first.wait(180), first.forward(prompt), llava))
+        with first.reload(source=paligemma) as second:
+            loaded.append((second.wait(180), second.forward(prompt), paligemma))
+            with second.reload(source=voxtral) as job:
+                loaded.append((job.wait(180), job.forward(prompt), voxtral))
     for result, logits, source in loaded:
         assert result["plan_matches_shards"]
-        assert (logits - image_text_logits(source)).abs().max().item() <= TOLERANCE["float32"]
+        assert (logits - multimodal_logits(source)).abs().max().item() <= TOLERANCE["float32"]
 
 
 def test_a_model_type_transformers_builds_into_no_model_for_token_ids_is_refused(tmp_path, capsys):
     transformers.AutoConfig.for_model("vit", hidden_size=32).save_pretrained(tmp_path)
     assert cli.main(["plan", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "model_type 'vit' neither as a causal LM nor as an image-text-to-text model" in err
+    assert "model_type 'vit' neither as a causal LM nor as a multimodal LM" in err
     assert len(err.splitlines()) == 1

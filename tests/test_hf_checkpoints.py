@@ -572,7 +572,7 @@ def qwen3_vl_moe(tmp_path_factory):
     vision = dict(VISION, depth=1, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[0])
     config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
     torch.manual_seed(11)
-    model = transformers.AutoModelForImageTextToText.from_config(config)
+    model = transformers.AutoModelForMultimodalLM.from_config(config)
     state = {
         k: (v.transpose(1, 2) if ".experts." in k else v).contiguous()
         for k, v in model.state_dict().items()
@@ -580,7 +580,7 @@ def qwen3_vl_moe(tmp_path_factory):
     path.mkdir()
     config.save_pretrained(path)
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
-    loaded = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
+    loaded = transformers.AutoModelForMultimodalLM.from_pretrained(path).eval()
     with torch.no_grad():
         logits = loaded(input_ids=torch.tensor(FIXED_PROMPT) % 1003).logits
     return path, logits

@@ -105,18 +105,18 @@ class HFAdapter(ModelAdapter):
 
     def _auto_class(self):
         """The transformers class that makes logits from token ids for this config: a causal
-        LM, else an image-text-to-text model (LLaVA, Qwen2-VL: their text runs without an
-        image). A config with its own code (`auto_map`) names its class itself."""
+        LM, else a multimodal LM (LLaVA, Qwen2-VL, Voxtral: their text runs without an image
+        or audio). A config with its own code (`auto_map`) names its class itself."""
         causal = self.transformers.AutoModelForCausalLM
         if self.trust_remote_code:
             return causal
-        for auto in (causal, self.transformers.AutoModelForImageTextToText):
+        for auto in (causal, self.transformers.AutoModelForMultimodalLM):
             if type(self.hf_config) in auto._model_mapping:
                 return auto
         raise ConfigError(
             f"config.json: transformers builds model_type {self.hf_config.model_type!r} neither "
-            "as a causal LM nor as an image-text-to-text model, the two that make logits from "
-            "token ids; tpviz loads those only"
+            "as a causal LM nor as a multimodal LM, the two that make logits from token ids; "
+            "tpviz loads those only"
         )
 
     def kept_in_float32(self, model: nn.Module, dtype: torch.dtype) -> re.Pattern | None:
