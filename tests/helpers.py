@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpviz.runtime.parallelize import local_of
+from tpviz.models.adapter import local_of
 
 
 def local_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -181,7 +181,7 @@ def test_random_init_uses_transformers_init(hf_models):
 
 
 def _weight_std(model, name):
-    from tpviz.runtime.parallelize import local_of
+    from tpviz.models.adapter import local_of
 
     return local_of(model.get_parameter(name)).std().item()
 
@@ -285,3 +285,33 @@ def test_code_shipped_with_a_checkpoint_runs_only_when_asked(hf_models, tmp_path
     result = json.loads(loaded.stdout)
     assert result["plan_matches_shards"] and result["verify"]["ok"]
     assert (tmp_path / "modules").exists()
+
+
+@pytest.mark.slow
+def test_random_init_draws_what_an_ancestor_sets_and_refuses_what_nothing_sets(tmp_path):
+    # Qwen3.5-MoE's router weight is drawn by its sparse block's init, not the router's own;
+    # Apertus' xIELU alphas are set only when the class is built, by no init at all
+    small = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16)
+    qwen = transformers.AutoConfig.for_model(
+        "qwen3_5_moe_text",
+        **TINY_DIMS,
+        **small,
+        **linear,
+        linear_value_head_dim=16,
+        head_dim=16,
+        shared_expert_intermediate_size=32,
+    )
+    qwen.save_pretrained(tmp_path / "qwen")
+    transformers.AutoConfig.for_model("apertus", **TINY_DIMS).save_pretrained(tmp_path / "apertus")
+    with tpviz.launch(
+        tmp_path / "qwen", 2, strategy="rank0_broadcast", init="random", verify=True
+    ) as first:
+        result = first.wait(180)
+        std = first.call(_weight_std, "model.layers.0.mlp.gate.weight")
+        assert result["verify"]["ok"], result["verify"]
+        assert all(0.015 < s < 0.025 for s in std), std
+        with pytest.raises(
+            tpviz.LoadError, match=r"XIELUActivation\.alpha_p, alpha_n: .* no value"
+        ):
+            first.reload(source=tmp_path / "apertus").wait(180)

@@ -67,7 +67,8 @@ def hf_model(source, dtype=None):
 
 def rank_tensors(model, names):
     """Each rank's local tensors (and their dtypes) for `names`: run on the ranks."""
-    from tpviz.runtime.parallelize import local_of, lookup
+    from tpviz.models.adapter import local_of
+    from tpviz.runtime.parallelize import lookup
 
     return {n: local_of(lookup(model, n)).detach().cpu().clone() for n in names}
 

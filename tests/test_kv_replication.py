@@ -134,7 +134,7 @@ def test_plan_view_past_the_kv_heads_draws_the_ranks_that_share_a_head(tiny):
 
 def rank_tensors(model: torch.nn.Module, names: list[str]) -> dict:
     """This rank's local tensors of `names`, and each attention's `num_key_value_groups`."""
-    from tpviz.runtime.parallelize import local_of
+    from tpviz.models.adapter import local_of
 
     state = dict(model.named_parameters())
     groups = {

@@ -139,7 +139,7 @@ def test_shard_report_shows_real_shards_as_planned(job2):
 
 def shard_fingerprint(model, name):
     """Runs on every rank: the local shard of `name`, as held."""
-    from tpviz.runtime.parallelize import local_of
+    from tpviz.models.adapter import local_of
 
     return local_of(model.get_parameter(name)).clone()
 
@@ -215,7 +215,7 @@ def test_tiny_at_other_world_sizes(tiny, world_size):
 
 
 def tied_storage(model):
-    from tpviz.runtime.parallelize import local_of
+    from tpviz.models.adapter import local_of
 
     head, embed = model.lm_head.weight, model.model.embed_tokens.weight
     return head is embed, local_of(head).data_ptr() == local_of(embed).data_ptr()
@@ -290,7 +290,7 @@ def warm(tiny):
 
 def all_shards(model):
     """Runs on every rank: every local tensor, as held."""
-    from tpviz.runtime.parallelize import local_of
+    from tpviz.models.adapter import local_of
 
     return {n: local_of(t).clone() for n, t in model.state_dict(keep_vars=True).items()}
 

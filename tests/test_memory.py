@@ -70,7 +70,7 @@ def shard_memory(model) -> tuple[str | None, bool, bool, bool]:
     """Runs on every rank: the rank's THP switch; whether all its tensors loaded from the
     checkpoint are views of one block, without overlapping; and whether that block lies in
     memory marked for huge pages (as torch's allocator marks it only with the switch on)."""
-    from tpviz.runtime.parallelize import local_of
+    from tpviz.models.adapter import local_of
 
     # the state dict holds what the checkpoint fills (computed buffers are not in it)
     local = {local_of(t).data_ptr(): local_of(t) for t in model.state_dict(keep_vars=True).values()}

@@ -14,10 +14,11 @@ import tpviz
 from tpviz.checkpoint import BlockReader, Checkpoint
 from tpviz.launcher import LoadJob
 from tpviz.models import get_adapter, read_config
+from tpviz.models.adapter import local_of
 from tpviz.plan import ResolvedPlan, TensorPlan, resolve_plan
 from tpviz.runtime.executor import LoadContext
 from tpviz.runtime.loader import LoadOptions
-from tpviz.runtime.parallelize import local_of, lookup
+from tpviz.runtime.parallelize import lookup
 from tpviz.runtime.reference import FullModel, plan_skeleton
 from tpviz.strategies import STRATEGIES, Executor, Ledger, Strategy, forecast
 from tpviz.strategies.counting import Counting

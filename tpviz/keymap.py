@@ -103,8 +103,7 @@ def transpose(layout: Layout, dim0: int, dim1: int) -> Layout:
     rank = len(layout.shape)
     if not (-rank <= dim0 < rank and -rank <= dim1 < rank):
         raise KeyMapError(
-            f"cannot transpose dims {dim0} and {dim1} of {_named(layout)}, which is "
-            f"{layout.shape}"
+            f"cannot transpose dims {dim0} and {dim1} of {_named(layout)}, which is {layout.shape}"
         )
     dim0, dim1 = dim0 % rank, dim1 % rank
 

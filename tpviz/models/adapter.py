@@ -18,6 +18,14 @@ from ..keymap import KeyMap
 from .config import ConfigError
 
 
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A rank's own part of a model tensor: a DTensor's local shard, else the tensor."""
+    # imported where ranks run, which have it already: at import it would slow the CLI's start
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 @dataclass(frozen=True)
 class HeadCounts:
     """The config's attention heads; an attention module's own attributes take precedence."""

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..keymap import KeyMap
-from .adapter import HeadCounts, ModelAdapter
+from .adapter import HeadCounts, ModelAdapter, local_of
 from .config import ConfigError, error_text
 from .hf_keys import checkpoint_map
 
@@ -58,7 +58,7 @@ class HFAdapter(ModelAdapter):
         self.name = "hf-remote-code" if trust_remote_code else "hf"
         self.source = source
         self.trust_remote_code = trust_remote_code
-        self._inits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._tree: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.hf_config = self._config(config)
 
     def _config(self, config: dict[str, Any]):
@@ -141,7 +141,6 @@ class HFAdapter(ModelAdapter):
         where that leaves them unset, of its nearest ancestor that sets them (Falcon-H1 sets
         each layer's `mup_vector` from the base model). Floating-point storage starts as NaN,
         so that a buffer no init sets is found, not read as whatever memory held."""
-        parents = {child: parent for parent in model.modules() for child in parent.children()}
         for module in model.modules():
             meta = [
                 n
@@ -152,12 +151,11 @@ class HFAdapter(ModelAdapter):
                 continue
             for name in meta:
                 module._buffers[name] = _unset_like(module._buffers[name], device)
-            owner = module
             with torch.no_grad():
-                self._init_of(model, owner)(owner)
-                while _unset(module, meta) and owner in parents:
-                    owner = parents[owner]
-                    self._init_of(model, owner)(owner)
+                for owner, init in self._inits_outward(model, module):
+                    init(owner)
+                    if not _unset(module, meta):
+                        break
             unset = _unset(module, meta)
             if unset:
                 raise ConfigError(
@@ -166,32 +164,74 @@ class HFAdapter(ModelAdapter):
                 )
 
     def init_module(self, model: nn.Module, module: nn.Module) -> None:
-        with torch.no_grad():
-            self._init_of(model, module)(module)
+        """`module`'s own tensors drawn as transformers' `initialize_weights` draws them: by its
+        init, then, where that leaves one unset, by its ancestors', outward, until none is
+        (transformers runs a module's init after its children's, and some set their children's
+        tensors: Qwen3.5-MoE's sparse block draws its router's weight). An ancestor's init runs
+        only when needed: it may draw numbers for tensors of other units too, which would
+        shift every later draw. The tensors are then flagged initialised, as transformers
+        flags them, so that the ancestors of a module initialised later leave them as they
+        are. They start as NaN, so that one no init draws is found, not left holding whatever
+        memory held."""
+        from transformers.initialization import guard_torch_init_functions
 
-    def _init_of(self, model: nn.Module, module: nn.Module) -> Callable[[nn.Module], None]:
-        """The `_init_weights` transformers gives `module`: that of the innermost transformers
-        model holding it, as its `initialize_weights` dispatches a composite model (PaliGemma's
-        own does not set the scale of the Gemma embedding its language model holds)."""
-        if model not in self._inits:
-            inits: dict[nn.Module, Callable] = {}
+        own = {  # a tensor tied to one initialised before is left as it is
+            n: t
+            for n, t in module.named_parameters(recurse=False)
+            if not getattr(t, "_is_hf_initialized", False)
+        }
+        with torch.no_grad(), guard_torch_init_functions():
+            for tensor in own.values():
+                local_of(tensor).fill_(float("nan") if tensor.is_floating_point() else 0)
+            for owner, init in self._inits_outward(model, module):
+                init(owner)
+                unset = [n for n, t in own.items() if _unset_tensor(t)]
+                if not unset:
+                    break
+        if unset:
+            raise ConfigError(
+                f"{type(module).__name__}.{', '.join(unset)}: transformers' _init_weights gives "
+                "this parameter no value (its class sets it when built), so init='random' "
+                "cannot draw it; load the model from a checkpoint"
+            )
+        for tensor in own.values():
+            tensor._is_hf_initialized = True
+
+    def _inits_outward(
+        self, model: nn.Module, module: nn.Module
+    ) -> Iterator[tuple[nn.Module, Callable[[nn.Module], None]]]:
+        """`module`, then each of its ancestors, with the `_init_weights` transformers gives
+        it: that of the innermost transformers model holding it, as its `initialize_weights`
+        dispatches a composite model (PaliGemma's own does not set the scale of the Gemma
+        embedding its language model holds)."""
+        if model not in self._tree:
+            tree: dict[nn.Module, tuple[Callable, nn.Module | None]] = {}
             pretrained = self.transformers.PreTrainedModel
 
-            def walk(m: nn.Module, init: Callable) -> None:
+            def walk(m: nn.Module, init: Callable, parent: nn.Module | None) -> None:
                 init = m._init_weights if isinstance(m, pretrained) else init
-                inits[m] = init
+                tree[m] = (init, parent)
                 for child in m.children():
-                    walk(child, init)
+                    walk(child, init, m)
 
-            walk(model, model._init_weights)
-            self._inits[model] = inits
-        return self._inits[model][module]
+            walk(model, model._init_weights, None)
+            self._tree[model] = tree
+        at: nn.Module | None = module
+        while at is not None:
+            init, parent = self._tree[model][at]
+            yield at, init
+            at = parent
 
     def vocab_size(self, config: dict[str, Any]) -> int:
         return int(self.hf_config.get_text_config().vocab_size)
 
     def logits(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, use_cache=False).logits
+
+
+def _unset_tensor(tensor: torch.Tensor) -> bool:
+    """Whether a floating-point tensor filled with NaN still holds one (no init set it)."""
+    return tensor.is_floating_point() and bool(local_of(tensor).isnan().any())
 
 
 def _unset_like(meta: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -10,11 +10,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..models.adapter import local_of
 from ..plan import TensorPlan
 from ..strategies.reads import fill_part
 from .executor import LoadContext
 from .options import LoadOptions
-from .parallelize import local_of, lookup
+from .parallelize import lookup
 from .reference import FullModel
 
 SLICED_INIT_NOTE = (

@@ -22,6 +22,7 @@ from ..checkpoint import BlockReader, Checkpoint, CheckpointError
 from ..events import Done, Error, Phase, RankPhase
 from ..format import first_line
 from ..models import ModelAdapter, get_adapter, prompt_ids, read_config
+from ..models.adapter import local_of
 from ..plan import ResolvedPlan
 from ..plan.resolve import SourceModel
 from ..profiling import PHASE_PREFIX, rank_profiler
@@ -31,7 +32,7 @@ from .executor import LoadContext, LoadFailure
 from .init_check import check_random_init
 from .memory import MemorySampler, PeakRss
 from .options import LoadOptions
-from .parallelize import apply_styles, leftover_meta, local_of, lookup, shard_report
+from .parallelize import apply_styles, leftover_meta, lookup, shard_report
 from .reference import FullModel, plan_skeleton
 from .sink import EventSink
 from .staging import PinnedStager

@@ -19,6 +19,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..checkpoint import dtype_name
 from ..heads import set_local_kv_groups
+from ..models.adapter import local_of
 from ..plan import ResolvedPlan, TensorPlan
 from ..plan.experts import local_experts
 from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward
@@ -207,10 +208,6 @@ def _spec(
     output gets a new one), so parameters can share one."""
     meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype)
     return DTensorSpec(mesh, (placement,), tensor_meta=meta)
-
-
-def local_of(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def placement_of(tensor: torch.Tensor, entry: TensorPlan) -> str:

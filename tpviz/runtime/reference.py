@@ -47,9 +47,9 @@ class FullModel:
     """An unsharded model following a plan's tensors: the single-process reference, and the
     source of random initialisation for `replicated` and `rank0_broadcast`.
 
-    Random init is: seed once, then each unit's own init in unit order. Materialising draws
-    no random numbers, so initialising unit by unit (as the strategies do) and all at once
-    (the reference) give the same tensors.
+    Random init is: seed once, then each unit materialised and initialised, in unit order,
+    here (`draw`) as in the strategies: an ancestor's init that reaches into a later unit
+    finds it still on meta in both, and draws nothing for it.
     """
 
     def __init__(self, plan: ResolvedPlan, adapter: ModelAdapter, config: dict, seed: int = 0):
@@ -79,9 +79,10 @@ class FullModel:
             self.adapter.init_module(self.model, self.model.get_submodule(module))
         return out
 
-    def init_all(self) -> None:
-        for module, _ in self.plan.units():
-            self.adapter.init_module(self.model, self.model.get_submodule(module))
+    def draw(self) -> None:
+        """Every loaded tensor drawn from the seed, unit by unit."""
+        for module, tensors in self.plan.units():
+            self.materialize(None, module, tensors)
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Every tensor read whole from the checkpoint and cast to the plan's dtype."""

@@ -33,8 +33,7 @@ def reference_logits(plan: ResolvedPlan, options: LoadOptions, ids: torch.Tensor
     adapter = get_adapter(config, plan.model, plan.source)
     reference = FullModel(plan, adapter, config, options.seed)
     if options.init == "random":
-        reference.materialize(None, None, reference.loaded)
-        reference.init_all()
+        reference.draw()
     else:
         reference.load_checkpoint(Checkpoint.open(plan.source))
     with torch.no_grad():
