@@ -107,11 +107,14 @@ class HFAdapter(ModelAdapter):
         """The transformers class that makes logits from token ids for this config: a causal
         LM, else a multimodal LM (LLaVA, Qwen2-VL, Voxtral: their text runs without an image
         or audio). A config with its own code (`auto_map`) names its class itself."""
-        causal = self.transformers.AutoModelForCausalLM
+        hf = self.transformers
         if self.trust_remote_code:
-            return causal
-        for auto in (causal, self.transformers.AutoModelForMultimodalLM):
-            if type(self.hf_config) in auto._model_mapping:
+            return hf.AutoModelForCausalLM
+        for auto, mapping in (
+            (hf.AutoModelForCausalLM, hf.MODEL_FOR_CAUSAL_LM_MAPPING),
+            (hf.AutoModelForMultimodalLM, hf.MODEL_FOR_MULTIMODAL_LM_MAPPING),
+        ):
+            if type(self.hf_config) in mapping:
                 return auto
         raise ConfigError(
             f"config.json: transformers builds model_type {self.hf_config.model_type!r} neither "
