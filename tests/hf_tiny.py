@@ -13,17 +13,7 @@ TINY_DIMS = dict(
 )
 
 
-def gemma4_with_vision():
-    """Gemma 4 whole, vision tower included (no audio): its forward reads the pad row of the
-    text embedding's weight itself, outside the embedding module."""
-    import transformers
-
-    text = dict(TINY_DIMS, pad_token_id=0, head_dim=16, vocab_size_per_layer_input=1003)
-    vision = dict(VISION, num_key_value_heads=2, head_dim=16)
-    return transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
-
-
-VISION = dict(
+VISION = dict(  # a vision or audio tower of a multimodal config
     hidden_size=32,
     intermediate_size=64,
     num_hidden_layers=1,
@@ -31,6 +21,21 @@ VISION = dict(
     image_size=32,
     patch_size=8,
 )
+
+
+def tiny_text(**changes) -> dict:
+    """The tiny text model of a multimodal config (its `text_config`)."""
+    return dict(TINY_DIMS, pad_token_id=0, head_dim=16, **changes)
+
+
+def gemma4_with_vision():
+    """Gemma 4 whole, vision tower included (no audio): its forward reads the pad row of the
+    text embedding's weight itself, outside the embedding module."""
+    import transformers
+
+    text = tiny_text(vocab_size_per_layer_input=1003)
+    vision = dict(VISION, num_key_value_heads=2, head_dim=16)
+    return transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
 
 
 def save_tiny(config, path, seed: int, auto: str = "AutoModelForCausalLM"):

@@ -16,7 +16,7 @@ import tpviz
 from tpviz import cli
 from tpviz.models import FIXED_PROMPT
 
-from .hf_tiny import TINY_DIMS, VISION, gemma4_with_vision, save_tiny
+from .hf_tiny import TINY_DIMS, VISION, gemma4_with_vision, save_tiny, tiny_text
 
 transformers = pytest.importorskip("transformers")
 
@@ -265,18 +265,14 @@ def test_a_plan_whose_weight_the_model_reads_outside_its_module_fails_then_the_s
     assert (logits - expected).abs().max().item() <= TOLERANCE["float32"]
 
 
-def text_of(model_type: str) -> dict:
-    """The tiny text model of a multimodal config."""
-    return dict(DIMS, head_dim=16, model_type=model_type)
-
-
 def save_llava_in_its_older_layout(path):
     """A tiny LLaVA (a multimodal LM; no causal-LM class) saved with the keys LLaVA
     checkpoints made before transformers 5 have (`language_model.model.*`,
     `language_model.lm_head.*`, `vision_tower.*`), which transformers renames when it loads."""
     from safetensors.torch import save_file
 
-    config = transformers.LlavaConfig(text_config=text_of("llama"), vision_config=VISION)
+    llama = tiny_text(model_type="llama")
+    config = transformers.LlavaConfig(text_config=llama, vision_config=VISION)
     torch.manual_seed(3)
     model = transformers.AutoModelForMultimodalLM.from_config(config)
     older = {
@@ -311,11 +307,13 @@ def test_multimodal_lms_load_as_transformers_reads_them(tmp_path):
     assert q_proj.checkpoint_keys == ["language_model.model.layers.0.self_attn.q_proj.weight"]
     # PaliGemma's own _init_weights leaves its Gemma embedding's computed scale unset: the
     # language model's sets it, as transformers dispatches a composite model's init
-    config = transformers.PaliGemmaConfig(text_config=text_of("gemma"), vision_config=VISION)
+    gemma = tiny_text(model_type="gemma")
+    config = transformers.PaliGemmaConfig(text_config=gemma, vision_config=VISION)
     paligemma = save_tiny(config, tmp_path / "paligemma", 4, "AutoModelForMultimodalLM")
     # an audio LM: Voxtral, a Whisper-like encoder before a Llama
     audio = dict(VISION, vocab_size=1003)
-    config = transformers.VoxtralConfig(text_config=text_of("llama"), audio_config=audio)
+    llama = tiny_text(model_type="llama")
+    config = transformers.VoxtralConfig(text_config=llama, audio_config=audio)
     voxtral = save_tiny(config, tmp_path / "voxtral", 5, "AutoModelForMultimodalLM")
     prompt = torch.tensor(FIXED_PROMPT) % 1003
     loaded = []

@@ -17,7 +17,7 @@ from tpviz.strategies.reads import fill_part
 from tpviz.widgets.plan_view import issues_html
 
 from .conftest import run_cli
-from .hf_tiny import TINY_DIMS
+from .hf_tiny import TINY_DIMS, VISION, tiny_text
 
 transformers = pytest.importorskip("transformers")
 
@@ -564,12 +564,10 @@ def qwen3_vl_moe(tmp_path_factory):
     logits of it."""
     from safetensors.torch import save_file
 
-    from .hf_tiny import VISION
-
     path = tmp_path_factory.mktemp("transposed") / "qwen3_vl_moe"
     rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
-    text = dict(TINY_DIMS, pad_token_id=0, head_dim=16, num_experts=8, num_experts_per_tok=2)
-    text.update(moe_intermediate_size=48, rope_parameters=rope)
+    text = tiny_text(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
+    text.update(rope_parameters=rope)
     vision = dict(VISION, depth=1, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[0])
     config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
     torch.manual_seed(11)

@@ -38,7 +38,13 @@ class Source:
 
     def saved(self, box: Sequence[int]) -> list[int]:
         """`box` (offsets or sizes, in the box's dims) in the saved tensor's dim order."""
-        return list(box) if self.order is None else [box[d] for d in self.order]
+        return in_saved_order(box, self.order)
+
+
+def in_saved_order(box: Sequence[int], order: Sequence[int] | None) -> list[int]:
+    """`box` (offsets or sizes per box dim) in the dim order a source was saved in (`order`,
+    as a Source holds it)."""
+    return list(box) if order is None else [box[d] for d in order]
 
 
 @dataclass

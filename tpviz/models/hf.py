@@ -155,11 +155,7 @@ class HFAdapter(ModelAdapter):
             for name in meta:
                 module._buffers[name] = _unset_like(module._buffers[name], device)
             with torch.no_grad():
-                for owner, init in self._inits_outward(model, module):
-                    init(owner)
-                    if not _unset(module, meta):
-                        break
-            unset = _unset(module, meta)
+                unset = self._init_until_set(model, module, module._buffers, meta)
             if unset:
                 raise ConfigError(
                     f"{type(module).__name__}.{', '.join(unset)}: transformers' _init_weights "
@@ -186,11 +182,7 @@ class HFAdapter(ModelAdapter):
         with torch.no_grad(), guard_torch_init_functions():
             for tensor in own.values():
                 local_of(tensor).fill_(float("nan") if tensor.is_floating_point() else 0)
-            for owner, init in self._inits_outward(model, module):
-                init(owner)
-                unset = [n for n, t in own.items() if _unset_tensor(t)]
-                if not unset:
-                    break
+            unset = self._init_until_set(model, module, module._parameters, list(own))
         if unset:
             raise ConfigError(
                 f"{type(module).__name__}.{', '.join(unset)}: transformers' _init_weights gives "
@@ -199,6 +191,23 @@ class HFAdapter(ModelAdapter):
             )
         for tensor in own.values():
             tensor._is_hf_initialized = True
+
+    def _init_until_set(
+        self,
+        model: nn.Module,
+        module: nn.Module,
+        held: Mapping[str, torch.Tensor],
+        names: list[str],
+    ) -> list[str]:
+        """Run the init of `module`, then of each ancestor outward, until none of its tensors
+        `names` (filled with NaN; in `held`, its `_parameters` or `_buffers`, read after each
+        init, which may replace them) holds NaN; the names of those still unset."""
+        for owner, init in self._inits_outward(model, module):
+            init(owner)
+            unset = [n for n in names if _unset(held[n])]
+            if not unset:
+                break
+        return unset
 
     def _inits_outward(
         self, model: nn.Module, module: nn.Module
@@ -232,7 +241,7 @@ class HFAdapter(ModelAdapter):
         return model(input_ids=input_ids, use_cache=False).logits
 
 
-def _unset_tensor(tensor: torch.Tensor) -> bool:
+def _unset(tensor: torch.Tensor) -> bool:
     """Whether a floating-point tensor filled with NaN still holds one (no init set it)."""
     return tensor.is_floating_point() and bool(local_of(tensor).isnan().any())
 
@@ -242,12 +251,3 @@ def _unset_like(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
     if meta.is_floating_point():
         return torch.full_like(meta, float("nan"), device=device)
     return torch.zeros_like(meta, device=device)
-
-
-def _unset(module: nn.Module, names: list[str]) -> list[str]:
-    """Those of the module's buffers `names` that are floating point and still hold NaN."""
-    return [
-        n
-        for n in names
-        if module._buffers[n].is_floating_point() and bool(module._buffers[n].isnan().any())
-    ]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import torch
 
 from ..chunks import Block
-from ..keymap import Piece, is_one_run, pieces
+from ..keymap import Piece, in_saved_order, is_one_run, pieces
 
 if TYPE_CHECKING:
     from .executor import TensorPlan
@@ -49,11 +49,9 @@ class Read:
     @property
     def saved_box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(offset, shape) of the box in the source as saved: what is read."""
-        if self.order is None:
-            return self.src_offset, self.shape
         return (
-            tuple(self.src_offset[d] for d in self.order),
-            tuple(self.shape[d] for d in self.order),
+            tuple(in_saved_order(self.src_offset, self.order)),
+            tuple(in_saved_order(self.shape, self.order)),
         )
 
     def placed(self, buffer: torch.Tensor) -> torch.Tensor:

@@ -80,20 +80,18 @@ class _DTensorWatch(TorchFunctionMode):
     anywhere but in the forward of a module holding it (metadata reads, such as its dtype, make
     no tensor and pass). One per rank thread: torch function modes are thread-local."""
 
-    def __init__(self, model: nn.Module, plan: ResolvedPlan):
+    def __init__(self):
         super().__init__()
         self.running: set[nn.Module] = set()
         self.held: dict[int, tuple[str, list[nn.Module]]] = {}
-        for name, style in plan.module_styles.items():
-            forward = STYLES[style].forward
-            if forward is None or not forward.on_dtensors:
-                continue
-            module = model.get_submodule(name)
-            module.register_forward_pre_hook(lambda m, a: self.running.add(m), prepend=True)
-            module.register_forward_hook(lambda m, a, o: self.running.discard(m), always_call=True)
-            for leaf, p in module._parameters.items():
-                if p is not None:
-                    self.held.setdefault(id(p), (f"{name}.{leaf}", []))[1].append(module)
+
+    def hold(self, name: str, module: nn.Module) -> None:
+        """`module` (named `name`) computes on DTensors: its parameters are watched."""
+        module.register_forward_pre_hook(lambda m, a: self.running.add(m), prepend=True)
+        module.register_forward_hook(lambda m, a, o: self.running.discard(m), always_call=True)
+        for leaf, p in module._parameters.items():
+            if p is not None:
+                self.held.setdefault(id(p), (f"{name}.{leaf}", []))[1].append(module)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -174,7 +172,7 @@ def run_ranks(
     collective = _Collective(plan.world_size)
     copies, watches = [], []
     for rank in range(plan.world_size):
-        local = _rank_copy(model, plan, rank)
+        local, watch = _rank_copy(model, plan, rank), _DTensorWatch()
         set_local_kv_groups(local, plan.local_kv_groups)
         experts = local_experts(plan, rank)
         for mod_name, style_name in plan.module_styles.items():
@@ -183,10 +181,11 @@ def run_ranks(
             if forward is not None and forward.on_dtensors:
                 weight = plan.tensor(f"{mod_name}.weight")
                 _install(module, style_name, weight, rank, collective)
+                watch.hold(mod_name, module)
             elif forward is not None:
                 biases = plan.replicated_biases(mod_name)
                 _install_partial(module, forward, experts.get(mod_name), biases, rank, collective)
-        watches.append(_DTensorWatch(local, plan))
+        watches.append(watch)
         copies.append(local)
     results: list[torch.Tensor | None] = [None] * plan.world_size
     errors: list[BaseException | None] = [None] * plan.world_size
