@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from tpviz.checkpoint import BlockReader, Checkpoint
-from tpviz.keymap import Layout, cat, pieces, split, stack, transpose
+from tpviz.keymap import Layout, cat, in_saved_order, pieces, split, stack, transpose
 from tpviz.plan import local_shape, shard_blocks
 from tpviz.strategies.reads import Read
 
@@ -78,7 +78,8 @@ def test_pieces_rebuild_stacked_and_concatenated_tensors(tmp_path, seed):
         for layout, expected in cases:
             assert layout.shape == list(expected.shape)
             boxes = [
-                replace(ckpt.tensors[s.key], shape=tuple(s.saved(s.shape))) for s in layout.sources
+                replace(ckpt.tensors[s.key], shape=tuple(in_saved_order(s.shape, s.order)))
+                for s in layout.sources
             ]
             for dim in [None, *range(len(layout.shape))]:
                 world = rnd.randint(1, 4)

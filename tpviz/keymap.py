@@ -36,14 +36,9 @@ class Source:
     shape: list[int]
     order: list[int] | None = None  # the box dim each saved dim runs along; None: in order
 
-    def saved(self, box: Sequence[int]) -> list[int]:
-        """`box` (offsets or sizes, in the box's dims) in the saved tensor's dim order."""
-        return in_saved_order(box, self.order)
-
 
 def in_saved_order(box: Sequence[int], order: Sequence[int] | None) -> list[int]:
-    """`box` (offsets or sizes per box dim) in the dim order a source was saved in (`order`,
-    as a Source holds it)."""
+    """`box` (offsets or sizes per box dim) in a source's saved dim order (its `order`)."""
     return list(box) if order is None else [box[d] for d in order]
 
 
@@ -113,12 +108,11 @@ def transpose(layout: Layout, dim0: int, dim1: int) -> Layout:
         )
     dim0, dim1 = dim0 % rank, dim1 % rank
 
-    def swapped(values: Sequence[int]) -> list[int]:
-        out = list(values)
-        out[dim0], out[dim1] = values[dim1], values[dim0]
-        return out
-
     relabel = {dim0: dim1, dim1: dim0}
+
+    def swapped(values: Sequence[int]) -> list[int]:
+        return [values[relabel.get(d, d)] for d in range(rank)]
+
     sources = [
         Source(
             s.key,

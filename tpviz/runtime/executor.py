@@ -24,6 +24,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..checkpoint import BlockReader, Checkpoint, CheckpointError, TensorInfo, torch_dtype
 from ..events import Event, UnitDone, UnitStart
+from ..keymap import in_saved_order
 from ..models import ModelAdapter
 from ..plan import ResolvedPlan, TensorPlan
 from ..profiling import COLLECTIVE, COPY, READ, UNIT_PREFIX, no_span
@@ -234,7 +235,7 @@ class LoadContext:
         """The checkpoint entries `t` is read from, checked against the plan at read time; an
         assembled tensor's sources are seen with the shape of their box in it (in their saved
         dim order)."""
-        boxes = [s.saved(s.shape) for s in t.sources] or [t.global_shape]
+        boxes = [in_saved_order(s.shape, s.order) for s in t.sources] or [t.global_shape]
         return [self._info(t, key, box) for key, box in zip(t.checkpoint_keys, boxes)]
 
     def _info(self, t: TensorPlan, key: str, box: list[int]) -> TensorInfo:

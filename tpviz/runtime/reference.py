@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import BlockReader, Checkpoint, torch_dtype
+from ..keymap import in_saved_order
 from ..models import ModelAdapter, build_skeleton
 from ..plan import ResolvedPlan, TensorPlan
 from ..strategies.reads import whole_reads
@@ -91,7 +92,8 @@ class FullModel:
                 infos = [checkpoint.tensors[k] for k in t.checkpoint_keys]
                 if t.sources:
                     boxes = [
-                        replace(i, shape=tuple(s.saved(s.shape))) for i, s in zip(infos, t.sources)
+                        replace(i, shape=tuple(in_saved_order(s.shape, s.order)))
+                        for i, s in zip(infos, t.sources)
                     ]
                     read_into(full, whole_reads(t, cast=True), boxes, None, reader)
                 else:
