@@ -25,7 +25,8 @@ MODELS = {  # name: (model_type, config overrides)
     "mixtral": ("mixtral", dict(intermediate_size=96, num_local_experts=4)),
     "qwen2_moe": (
         "qwen2_moe",
-        dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=64),
+        # 44 wide: 22 float32 (88 bytes) per rank at 2 ranks, rows torch's grouped_mm refuses
+        dict(num_experts=4, moe_intermediate_size=44, shared_expert_intermediate_size=64),
     ),
     "olmoe": ("olmoe", dict(intermediate_size=48, num_experts=4)),
     "qwen3_moe": (
@@ -247,6 +248,14 @@ def test_an_even_split_over_four_ranks(moe):
     assert [r.shape[2] for r in down.ranks] == [12] * 4
     gate_up = plan.tensor(f"{EXPERTS.format(1)}.gate_up_proj")
     assert [r.shape[1] for r in gate_up.ranks] == [24] * 4
+
+
+def test_experts_narrower_than_grouped_mm_takes_run_on_another_kernel(moe):
+    """Ranks whose expert rows are not a multiple of 16 bytes run transformers' batched_mm:
+    simulated here, real in test_moe_logits_match_transformers (qwen2_moe)."""
+    plan = tpviz.resolve_plan(moe["qwen2_moe"], 2, TP_PLANS["qwen2_moe"])
+    assert plan.tensor(f"{EXPERTS.format(0)}.down_proj").ranks[0].shape[-1] == 22
+    assert tpviz.simulate_plan(plan).ok
 
 
 def test_moe_checkpoints_plan_from_the_command_line(moe, cli, tmp_path):

@@ -16,12 +16,14 @@ Either way the plan JSON lists the keys that were really resolved.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
 from .. import styles
+from ..checkpoint import torch_dtype
 from .issues import Issues
 from .patterns import CompiledPlan, PlanKey
 from .types import ResolvedPlan, TensorPlan
@@ -31,6 +33,7 @@ TP_MODULE = "moe_tp_experts"
 EP_MODULE = "ep_dispatch_experts"
 EP_TENSOR = "grouped_gemm"
 EXPERT_STYLES = {TP_MODULE, EP_MODULE}  # the styles that run an experts module
+GROUPED_MM_ALIGN = 16  # bytes: what each row of torch's grouped_mm operands must be a multiple of
 # how configs name the number of routed experts (Mixtral, Qwen/OLMoE, DeepSeek)
 _COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -257,3 +260,29 @@ def local_experts(plan: ResolvedPlan, rank: int) -> dict[str, tuple[int, int]]:
             shard = e.ranks[rank]
             out[e.module] = (shard.blocks[0].offset[0] if shard.blocks else 0, shard.shape[0])
     return out
+
+
+def fit_expert_kernels(model: nn.Module, plan: ResolvedPlan, rank: int) -> None:
+    """On a rank (real or simulated): transformers' experts run torch's grouped_mm by default,
+    which refuses operands whose rows are not a multiple of 16 bytes. A cut that leaves this
+    rank's expert tensors narrower rows (a small or odd width over many ranks) would fail in
+    the forward, so such a module runs transformers' batched_mm instead: the same products, any
+    width. The module gets a config of its own, so the choice stays with this rank's module."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_experts_implementation", None) != "grouped_mm":
+            continue
+        stacked = [
+            f"{name}.{leaf}" if name else leaf
+            for leaf, p in module.named_parameters(recurse=False)
+            if p.dim() >= 3
+        ]
+        if any(not _rows_aligned(plan.tensor(t), rank) for t in stacked):
+            module.config = copy.deepcopy(config)
+            module.config._experts_implementation = "batched_mm"
+
+
+def _rows_aligned(tensor: TensorPlan, rank: int) -> bool:
+    itemsize = torch_dtype(tensor.dtype).itemsize
+    shape = tensor.ranks[rank].shape
+    return all(width * itemsize % GROUPED_MM_ALIGN == 0 for width in shape[-2:])

@@ -29,7 +29,7 @@ from ..errors import failed_in, failing_module
 from ..format import first_line
 from ..heads import set_local_kv_groups
 from ..plan import ResolvedPlan, TensorPlan
-from ..plan.experts import local_experts
+from ..plan.experts import fit_expert_kernels, local_experts
 from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward
 from ..styles.expert_parallel import route_to_local_experts
 
@@ -174,6 +174,7 @@ def run_ranks(
     for rank in range(plan.world_size):
         local, watch = _rank_copy(model, plan, rank), _DTensorWatch()
         set_local_kv_groups(local, plan.local_kv_groups)
+        fit_expert_kernels(local, plan, rank)
         experts = local_experts(plan, rank)
         for mod_name, style_name in plan.module_styles.items():
             forward = STYLES[style_name].forward
