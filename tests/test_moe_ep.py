@@ -356,6 +356,62 @@ def test_other_moe_families_load_under_both_layouts_with_their_own_plans(tmp_pat
             job.shutdown()
 
 
+ERGO = {  # its experts normalise each expert's output with a per-expert RMSNorm scale
+    "ergo": (
+        "ergo",
+        dict(
+            moe_intermediate_size=32,
+            num_experts=4,
+            head_dim=16,
+            first_dense_intermediate_size=96,  # layer 0 dense, layer 1 sparse
+            shared_intermediate_size=64,
+        ),
+    )
+}
+
+
+@pytest.fixture(scope="module")
+def ergo(tmp_path_factory):
+    return save_models(tmp_path_factory.mktemp("ergo"), ERGO)["ergo"]
+
+
+def test_experts_normalising_each_output_stay_whole_under_tp_and_split_by_expert_under_ep(ergo):
+    """A rank cutting Ergo's experts along their features holds a term of each expert's
+    output, which its per-expert norm must not see: under `tp` the experts stay whole (with a
+    warning), a plan cutting them is refused; under `ep` the norm's per-expert scales go with
+    their experts. Simulated ranks match the whole model either way."""
+    experts = EXPERTS.format(1)
+    tp = tpviz.resolve_plan(ergo, 2)
+    assert experts not in tp.module_styles
+    assert tp.tensor(f"{experts}.up_proj").placement == "replicate"
+    assert "experts_kept_whole" in [w.code for w in tp.warnings]
+    ep = tpviz.resolve_plan(ergo, 2, experts="ep")
+    assert not ep.errors, ep.errors
+    norm = ep.tensor(f"{experts}.post_expert_norm.weight")
+    assert (norm.style, norm.placement) == ("grouped_gemm", "shard(0)")
+    cut = {k: v for k, v in EXPERTS_TP.items() if "gate_up" not in k}
+    cut["layers.*.mlp.experts.up_proj"] = "colwise"  # Ergo's experts have no gate
+    assert [e.code for e in tpviz.resolve_plan(ergo, 2, cut).errors] == ["inconsistent_experts"]
+    assert tpviz.simulate_plan(tp).ok and tpviz.simulate_plan(ep).ok
+
+
+@pytest.mark.slow
+def test_experts_normalising_each_output_match_transformers_under_both_layouts(ergo):
+    expected = transformers_logits(ergo)
+    job = None
+    try:
+        for experts in ("tp", "ep"):
+            plan = tpviz.resolve_plan(ergo, 2, experts=experts)
+            job = load_next(job, ergo, 2, plan)
+            result = job.wait(240)
+            assert result["plan_matches_shards"], experts
+            logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
+            assert (logits.float() - expected).abs().max().item() <= 1e-4, experts
+    finally:
+        if job is not None:
+            job.shutdown()
+
+
 @pytest.mark.slow
 def test_compare_loads_a_moe_checkpoint_with_every_strategy_under_ep(moe, cli):
     result = cli("compare", str(moe["qwen2_moe"]), "--experts", "ep", "--verify", "--json")

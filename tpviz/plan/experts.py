@@ -56,7 +56,7 @@ def expert_count(config: Mapping[str, Any]) -> int | None:
 def find_experts(
     skeleton: nn.Module, patterns: Mapping[str, str], count: int | None
 ) -> dict[str, list[str]]:
-    """Experts module -> the leaves of its stacked expert tensors (first dim = expert count).
+    """Experts module -> the names in it of its per-expert tensors (first dim = expert count).
     Only modules that follow transformers' experts interface count: both layouts rely on its
     kernels (the skipped expert id under EP, the declared layout under TP)."""
     compiled = CompiledPlan(patterns)
@@ -76,7 +76,9 @@ def find_experts(
         n = stacked[0].shape[0] if named else own if isinstance(own, int) else count
         if n is None or not any(p.shape[0] == n for p in stacked):
             continue
-        found[name] = [leaf for leaf, p in params.items() if p.dim() >= 1 and p.shape[0] == n]
+        # per-expert tensors of its submodules too (Ergo's per-expert norm scales)
+        inside = module.named_parameters()
+        found[name] = [leaf for leaf, p in inside if p.dim() >= 1 and p.shape[0] == n]
     return found
 
 
@@ -96,16 +98,31 @@ def expert_parallel_plan(
 
 
 def expert_tensor_parallel_plan(
-    patterns: Mapping[str, str], skeleton: nn.Module, experts: Mapping[str, list[str]]
+    patterns: Mapping[str, str],
+    skeleton: nn.Module,
+    experts: Mapping[str, list[str]],
+    warnings: Issues,
 ) -> dict[str, str]:
     """The plan with every experts module that no key reaches cut by TP: each rank holds its
     slice of every expert's intermediate features, as transformers' MoE TP plans cut them
     (transformers 5.25 dropped those keys from its configs; a plan that places the experts
-    itself, `replicate` included, is kept as given)."""
+    itself, `replicate` included, is kept as given). Experts that normalise each expert's
+    output stay whole, with a warning: a rank's partial output cannot be normalised."""
     added: dict[str, str] = {}
     for module, leaves in experts.items():
+        if _keys_reaching(patterns, _names_in(skeleton, module)):
+            continue
+        if _acts_on_whole_outputs(skeleton.get_submodule(module)):
+            warnings.add(
+                "experts_kept_whole",
+                module,
+                f"{module}: its experts normalise each expert's whole output, which a rank "
+                "cutting their intermediate features holds only a term of; they stay whole on "
+                "every rank: --experts ep (experts='ep') splits them by expert",
+            )
+            continue
         cuts = _intermediate_cuts(skeleton.get_submodule(module), leaves)
-        if not cuts or _keys_reaching(patterns, _names_in(skeleton, module)):
+        if not cuts:
             continue
         added[_wildcard(module)] = TP_MODULE
         for leaf, style in cuts.items():
@@ -138,6 +155,15 @@ def _intermediate_cuts(module: nn.Module, leaves: list[str]) -> dict[str, str]:
     return cuts
 
 
+def _acts_on_whole_outputs(module: nn.Module) -> bool:
+    """Whether the experts module computes more than its projections with learned tensors: a
+    post-expert norm, declared to transformers' experts interface or held as a module with
+    parameters (Ergo's per-expert RMSNorm), acts on each expert's whole output, so the ranks'
+    partial terms cannot pass through it and be summed after."""
+    declared = getattr(module, "has_post_expert_norm", False) is True
+    return declared or any(any(True for _ in c.parameters()) for c in module.children())
+
+
 def _names_in(skeleton: nn.Module, module: str) -> list[str]:
     """The module's name, and those of everything inside it."""
     inner = skeleton.get_submodule(module)
@@ -168,7 +194,10 @@ def check_expert_parallel(
     """Whole experts per rank need both halves of the EP plan: `grouped_gemm` tensors inside an
     `ep_dispatch_experts` module (which remaps the routes to them), and an expert count the
     world size divides (transformers' experts kernels run the same count on every rank)."""
-    held = {e.module: e for e in entries if e.style == EP_TENSOR and e.global_shape}
+    held: dict[str, TensorPlan] = {}
+    for e in entries:
+        if e.style == EP_TENSOR and e.global_shape:
+            held.setdefault(_experts_holding(e.module, module_styles), e)
     for module, style in module_styles.items():
         if style == EP_MODULE and module not in held:
             errors.add(
@@ -197,6 +226,15 @@ def check_expert_parallel(
                 "parallelism holds whole experts, the same number on every rank)",
                 lists_world_sizes=True,
             )
+
+
+def _experts_holding(module: str, module_styles: Mapping[str, str]) -> str:
+    """The `ep_dispatch_experts` module that is `module` or holds it (a per-expert norm inside
+    the experts); `module` itself when none does."""
+    at = module
+    while at and module_styles.get(at) != EP_MODULE:
+        at = at.rpartition(".")[0]
+    return at or module
 
 
 def check_expert_tensor_parallel(
@@ -231,7 +269,18 @@ def check_expert_tensor_parallel(
 
 
 def _check_intermediate_cuts(module: nn.Module, placed: list[TensorPlan], errors: Issues) -> None:
-    """Each tensor of a `moe_tp_experts` module holds what the derived keys would give it."""
+    """Each tensor of a `moe_tp_experts` module holds what the derived keys would give it, and
+    the module sums its terms before anything else acts on them."""
+    cut = [e for e in placed if e.placement != "replicate"]
+    if cut and _acts_on_whole_outputs(module):
+        errors.add(
+            "inconsistent_experts",
+            cut[0].name,
+            f"{cut[0].name} is cut ({cut[0].style}), but its experts normalise each expert's "
+            "whole output, which a rank holds only a term of; keep the experts whole "
+            "('replicate') or use --experts ep",
+        )
+        return
     cuts = _intermediate_cuts(module, [e.name.rpartition(".")[2] for e in placed])
     if not cuts:
         return  # a layout tpviz cannot read: placed as the plan says

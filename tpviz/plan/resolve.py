@@ -231,7 +231,7 @@ def _resolve(
     if experts == "ep":
         patterns = _expert_parallel(found, patterns, moes, issues)
     else:
-        patterns = expert_tensor_parallel_plan(patterns, found.skeleton, moes)
+        patterns = expert_tensor_parallel_plan(patterns, found.skeleton, moes, issues.warnings)
     compiled = CompiledPlan(patterns)
     for issue in compiled.errors:
         issues.errors.add(issue.code, issue.name, issue.message)
