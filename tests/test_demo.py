@@ -86,7 +86,7 @@ def test_tied_checkpoint_stores_the_embedding_once(tiny_tied):
     "preset, low, high", [("tiny", 1e6, 5e6), ("small", 100e6, 200e6), ("medium", 0.5e9, 1e9)]
 )
 def test_preset_sizes(preset, low, high):
-    model = build_skeleton(BuiltinLlama(), demo_config(preset))
+    model = build_skeleton(BuiltinLlama(), demo_config(preset), torch.float32)
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     assert low <= nbytes <= high, f"{preset}: {nbytes / 1e6:.0f} MB"
     assert PRESETS[preset]["heads"] % 4 == 0

@@ -53,6 +53,9 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "bitnet": ("bitnet", {}),
     # head_dim set per layer: the full-attention layers' heads are twice as wide
     "gemma4_text": ("gemma4_text", dict(vocab_size_per_layer_input=1003)),
+    # buffers made in the default dtype: a sinusoid table, a causal mask
+    "xglm": ("xglm", {}),
+    "openai_gpt": ("openai-gpt", {}),
     # 6 heads / 3 kv heads over 3 ranks; the MLP (256) and the vocabulary (1003) split unevenly
     "starcoder2_uneven": (
         "starcoder2",
@@ -60,8 +63,11 @@ ARCHS: dict[str, tuple[str, dict]] = {
     ),
 }
 # (name, world size, dtype); bfloat16 against transformers in bfloat16
-CASES = [(name, 2, "float32") for name in ARCHS if name != "starcoder2_uneven"] + [
+ONLY_NAMED = ("starcoder2_uneven", "xglm", "openai_gpt")  # in CASES only as named there
+CASES = [(name, 2, "float32") for name in ARCHS if name not in ONLY_NAMED] + [
     ("gemma2", 2, "bfloat16"),
+    ("xglm", 2, "bfloat16"),
+    ("openai_gpt", 2, "bfloat16"),
     ("cohere_qk_norm", 2, "bfloat16"),
     ("glm", 2, "bfloat16"),
     ("cohere_qk_norm", 4, "float32"),
@@ -112,6 +118,21 @@ def test_logits_match_transformers(arch_checkpoint, name, world_size, dtype):
         logits = job.forward(torch.tensor(FIXED_PROMPT) % 1003)
     assert result["plan_matches_shards"]
     assert (logits.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
+def test_computed_buffers_take_the_dtype_transformers_builds_them_in(arch_checkpoint):
+    """A buffer the model's code makes in the default dtype (XGLM's sinusoid table, GPT's
+    causal mask) is made in the target dtype, as transformers builds under it: float32 beside
+    bfloat16 weights, it would make the hidden states float32 and the next bfloat16 layer
+    fail. One the code makes float32 itself (rotary frequencies) stays float32."""
+    xglm = arch_checkpoint("xglm")
+    table = "model.embed_positions.weights"
+    assert tpviz.resolve_plan(xglm, 2, dtype="bfloat16").tensor(table).dtype == "bfloat16"
+    assert tpviz.resolve_plan(xglm, 2).tensor(table).dtype == "float32"
+    gpt = tpviz.resolve_plan(arch_checkpoint("openai_gpt"), 2, dtype="bfloat16")
+    assert gpt.tensor("transformer.h.0.attn.bias").dtype == "bfloat16"
+    gemma = tpviz.resolve_plan(arch_checkpoint("gemma2"), 2, dtype="bfloat16")
+    assert gemma.tensor("model.rotary_emb.inv_freq").dtype == "float32"
 
 
 def test_gpt_neox_fused_qkv_at_world_size_3_names_the_module(arch_checkpoint, capsys):

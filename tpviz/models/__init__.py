@@ -47,7 +47,7 @@ def prompt_ids(adapter: ModelAdapter, config: dict[str, Any]) -> torch.Tensor:
 class BuiltinLlama(ModelAdapter):
     name = "builtin"
 
-    def build(self, config: dict[str, Any]) -> nn.Module:
+    def build(self, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
         from .llama import LlamaForCausalLM
 
         return LlamaForCausalLM(LlamaDims.from_config(config), config)
@@ -89,8 +89,8 @@ class FactoryAdapter(ModelAdapter):
                 f"--model {spec}: {attr} is not callable (type {type(self.factory).__name__})"
             )
 
-    def build(self, config: dict[str, Any]) -> nn.Module:
-        try:
+    def build(self, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
+        try:  # the factory makes its tensors in the dtypes its code chooses
             model = self.factory(config)
         except Exception as e:  # noqa: BLE001 - the user's code, refusing the config or failing
             raise ConfigError(f"--model {self.name}: the factory raised {error_text(e)}") from None
@@ -174,10 +174,11 @@ _INIT_PATCH_LOCK = threading.Lock()
 
 
 def build_skeleton(
-    adapter: ModelAdapter, config: dict[str, Any], device: str = "meta"
+    adapter: ModelAdapter, config: dict[str, Any], dtype: torch.dtype, device: str = "meta"
 ) -> nn.Module:
-    """The model with every parameter and buffer on `device` (meta: nothing allocated)."""
+    """The model built for `dtype` (see `ModelAdapter.build`) with every parameter and buffer
+    on `device` (meta: nothing allocated)."""
     skip = _skip_meta_init() if device == "meta" else contextlib.nullcontext()
     with torch.device(device), skip:
-        model = adapter.build(config)
+        model = adapter.build(config, dtype)
     return model.eval().requires_grad_(False)

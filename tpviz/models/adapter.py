@@ -61,8 +61,11 @@ class ModelAdapter:
 
     name = "module"
 
-    def build(self, config: dict[str, Any]) -> nn.Module:
-        """The model on the current default device (tpviz calls it under `torch.device`)."""
+    def build(self, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
+        """The model on the current default device (tpviz calls it under `torch.device`), built
+        for `dtype`: what its code makes in the default dtype (transformers' buffers such as a
+        causal mask or a sinusoid table) is made in `dtype`, as transformers builds it. The plan
+        takes each computed buffer's dtype from this build; the rest it casts itself."""
         raise ConfigError("this model was given as a module; tpviz cannot rebuild it from a config")
 
     def default_plan(self, model: nn.Module) -> dict[str, str]:

@@ -97,7 +97,7 @@ def make_checkpoint(
     out = Path(directory)
     if any(out.glob("*.safetensors")):
         raise FileExistsError(f"{out} already holds a checkpoint; choose an empty directory")
-    skeleton = build_skeleton(BuiltinLlama(), config)
+    skeleton = build_skeleton(BuiltinLlama(), config, torch.float32)
     _check_room(out, sum(p.numel() for p in skeleton.parameters()) * torch_dtype(dtype).itemsize)
     out.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)

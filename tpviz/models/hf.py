@@ -98,10 +98,12 @@ class HFAdapter(ModelAdapter):
             )
         return model_type
 
-    def build(self, config: dict[str, Any]) -> nn.Module:
+    def build(self, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
         auto = self._auto_class()
         with _judged_by_transformers():
-            return auto.from_config(self.hf_config, trust_remote_code=self.trust_remote_code)
+            return auto.from_config(
+                self.hf_config, dtype=dtype, trust_remote_code=self.trust_remote_code
+            )
 
     def _auto_class(self):
         """The transformers class that makes logits from token ids for this config: a causal

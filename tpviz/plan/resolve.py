@@ -134,21 +134,26 @@ class SourceModel:
     config: dict[str, Any]
     ckpt: Checkpoint | None
     source: str | None  # the resolved source path; None for a module given directly
+    dtype: torch.dtype  # the target dtype: of the plan, and the skeleton's build
 
 
 def read_source(
-    source: str | os.PathLike, model: str | None, weights: str | os.PathLike | None
+    source: str | os.PathLike,
+    model: str | None,
+    weights: str | os.PathLike | None,
+    dtype: str | torch.dtype | None = None,
 ) -> SourceModel:
     """What resolving or loading a checkpoint (or config) directory reads first: its config,
-    the adapter `model` chooses for it, the meta skeleton, and the headers of the checkpoint
-    at `weights` (None: none read)."""
+    the adapter `model` chooses for it, the headers of the checkpoint at `weights` (None: none
+    read), and the meta skeleton built for the target dtype (`dtype`, else the source's)."""
     config = read_config(source)
     adapter = get_adapter(config, model, source)
-    skeleton = build_skeleton(adapter, config)
     ckpt = Checkpoint.open(weights) if weights is not None else None
     if ckpt is not None and ckpt.has_weights:
         check_unquantized(config, ckpt.path)
-    return SourceModel(skeleton, adapter, config, ckpt, str(Path(source).resolve()))
+    target = _target_dtype(dtype, config, ckpt)
+    skeleton = build_skeleton(adapter, config, target)
+    return SourceModel(skeleton, adapter, config, ckpt, str(Path(source).resolve()), target)
 
 
 def _resolve_source(
@@ -164,15 +169,17 @@ def _resolve_source(
     if isinstance(source, nn.Module):
         adapter = adapter_for_module(source)
         ckpt = Checkpoint.open(checkpoint) if checkpoint is not None else None
-        found = SourceModel(source, adapter, adapter.config_of(source), ckpt, None)
+        config = adapter.config_of(source)
+        target = _target_dtype(dtype, config, ckpt)
+        found = SourceModel(source, adapter, config, ckpt, None, target)
     else:
-        found = read_source(source, model, checkpoint if checkpoint is not None else source)
+        weights = checkpoint if checkpoint is not None else source
+        found = read_source(source, model, weights, dtype)
     patterns = load_plan_patterns(plan)
     given = patterns is not None
     if not given:
         patterns = found.adapter.default_plan(found.skeleton)
-    target = _target_dtype(dtype, found.config, found.ckpt)
-    resolved = _resolve(found, world_size, patterns, target, kv_replication, experts, given)
+    resolved = _resolve(found, world_size, patterns, kv_replication, experts, given)
     return resolved, found
 
 
@@ -215,7 +222,6 @@ def _resolve(
     found: SourceModel,
     world_size: int,
     patterns: Mapping[str, str],
-    target: torch.dtype,
     kv_replication: bool,
     experts: str,
     given: bool,
@@ -235,8 +241,8 @@ def _resolve(
     compiled = CompiledPlan(patterns)
     for issue in compiled.errors:
         issues.errors.add(issue.code, issue.name, issue.message)
-    kept = found.adapter.kept_in_float32(found.skeleton, target)
-    walk = Walk(compiled, world_size, target, issues.errors, kept)
+    kept = found.adapter.kept_in_float32(found.skeleton, found.dtype)
+    walk = Walk(compiled, world_size, found.dtype, issues.errors, kept)
     for mod_name, module in found.skeleton.named_modules():
         walk.visit(mod_name, module)
     report_unsupported(walk.unsupported, issues.errors)
@@ -252,7 +258,7 @@ def _resolve(
     )
     _check_checkpoint(found, walk.entries, issues)
     warn_if_mostly_replicated(walk.entries, world_size, issues.warnings)
-    plan = _plan(found, walk, world_size, target, patterns, issues)
+    plan = _plan(found, walk, world_size, patterns, issues)
     plan.local_kv_groups = kv_groups
     plan.experts = experts
     plan.kv_replication = kv_replication
@@ -308,14 +314,13 @@ def _plan(
     found: SourceModel,
     walk: Walk,
     world_size: int,
-    target: torch.dtype,
     patterns: Mapping[str, str],
     issues: PlanIssues,
 ) -> ResolvedPlan:
     entries = walk.entries
     plan = ResolvedPlan(
         world_size=world_size,
-        dtype=dtype_name(target),
+        dtype=dtype_name(found.dtype),
         source=found.source,
         params=entries,
         per_rank_bytes=[sum(e.ranks[r].bytes for e in entries) for r in range(world_size)],

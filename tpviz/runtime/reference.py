@@ -26,11 +26,11 @@ def plan_skeleton(
 ) -> nn.Module:
     """The meta skeleton (`skeleton`, the one the plan was resolved on, or a new one) with
     every tensor in its dtype in the plan and the computed buffers made for real on `device`.
-    Tensors that the plan keeps out of its dtype keep theirs: computed buffers (rotary caches;
-    computed in a 16-bit dtype they would differ from transformers', which keeps them float32)
+    Tensors that the plan keeps out of its dtype keep theirs: computed buffers the model's code
+    makes float32 itself (rotary frequencies: transformers keeps them float32 in any dtype)
     and what the model keeps float32 (MoE routers)."""
     if skeleton is None:
-        skeleton = build_skeleton(adapter, config)
+        skeleton = build_skeleton(adapter, config, torch_dtype(plan.dtype))
     model = skeleton.to(torch_dtype(plan.dtype))
     for t in plan.params:
         if t.dtype != plan.dtype:

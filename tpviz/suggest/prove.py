@@ -146,7 +146,7 @@ def _instance(
     (constant ones, such as norms, made distinct), and the forward of the fixed prompt."""
     small = _fewer_layers(config)
     adapter = get_adapter(small, model, source)
-    size = sum(p.numel() * 4 for p in build_skeleton(adapter, small).parameters())
+    size = sum(p.numel() * 4 for p in build_skeleton(adapter, small, torch.float32).parameters())
     if size > MAX_INSTANCE_BYTES:
         raise ValueError(
             f"{source}: a {CHECK_LAYERS}-layer float32 instance of this model takes "
@@ -156,7 +156,7 @@ def _instance(
         )
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        instance = build_skeleton(adapter, small, device="cpu").float()
+        instance = build_skeleton(adapter, small, torch.float32, device="cpu")
         with torch.no_grad():
             for p in instance.parameters():
                 if p.numel() > 1 and bool((p == p.flatten()[0]).all()):
