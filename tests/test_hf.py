@@ -304,6 +304,9 @@ def test_random_init_draws_what_an_ancestor_sets_and_refuses_what_nothing_sets(t
     )
     qwen.save_pretrained(tmp_path / "qwen")
     transformers.AutoConfig.for_model("apertus", **TINY_DIMS).save_pretrained(tmp_path / "apertus")
+    # CTRL's head: its weight tied to the embedding (another unit's), a bias of its own
+    ctrl = transformers.AutoConfig.for_model("ctrl", **TINY_DIMS, dff=256)
+    ctrl.save_pretrained(tmp_path / "ctrl")
     with tpviz.launch(
         tmp_path / "qwen", 2, strategy="rank0_broadcast", init="random", verify=True
     ) as first:
@@ -311,7 +314,10 @@ def test_random_init_draws_what_an_ancestor_sets_and_refuses_what_nothing_sets(t
         std = first.call(_weight_std, "model.layers.0.mlp.gate.weight")
         assert result["verify"]["ok"], result["verify"]
         assert all(0.015 < s < 0.025 for s in std), std
+        tied = first.reload(source=tmp_path / "ctrl")
+        result = tied.wait(180)
+        assert result["init_check"]["ok"] and result["verify"]["ok"], result["init_check"]
         with pytest.raises(
             tpviz.LoadError, match=r"XIELUActivation\.alpha_p, alpha_n: .* no value"
         ):
-            first.reload(source=tmp_path / "apertus").wait(180)
+            tied.reload(source=tmp_path / "apertus").wait(180)

@@ -176,10 +176,11 @@ class HFAdapter(ModelAdapter):
         memory held."""
         from transformers.initialization import guard_torch_init_functions
 
-        own = {  # a tensor tied to one initialised before is left as it is
+        own = {  # a tensor tied to one initialised before, or one still on meta (another
+            # unit's, tied here), is left as it is
             n: t
             for n, t in module.named_parameters(recurse=False)
-            if not getattr(t, "_is_hf_initialized", False)
+            if not getattr(t, "_is_hf_initialized", False) and not t.is_meta
         }
         with torch.no_grad(), guard_torch_init_functions():
             for tensor in own.values():
