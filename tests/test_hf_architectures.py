@@ -253,6 +253,18 @@ def test_head_sizes_set_per_layer_are_read_from_each_layers_attention(tmp_path):
     assert tpviz.simulate_plan(plan).ok
 
 
+def test_a_value_head_wider_than_the_query_head_is_cut_as_a_key_value_head(tmp_path):
+    """MiMo-V2-Flash's value heads (64 wide here) are wider than its query and key heads (16):
+    a full-attention layer's v_proj, 4 key-value heads x 64, holds as many features as 8 query
+    heads of 32 would, a width no head has. It is cut into its key-value heads, each held by
+    the ranks sharing it, and simulated ranks match the whole model."""
+    config = transformers.AutoConfig.for_model("mimo_v2_flash", **DIMS, head_dim=16, v_head_dim=64)
+    config.save_pretrained(tmp_path)
+    plan = tpviz.resolve_plan(tmp_path, 8)
+    assert plan.tensor("model.layers.0.self_attn.v_proj.weight").placement == "shard(0, groups=4)"
+    assert tpviz.simulate_plan(plan).ok
+
+
 def test_heads_are_checked_in_an_attention_that_holds_another(tmp_path):
     # DeepSeek-V3.2's attention holds an indexer with heads of its own (index_head_dim): the
     # outer attention's projections were once left unchecked, and 3 ranks cut its 8 heads

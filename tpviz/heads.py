@@ -125,16 +125,28 @@ def head_cuts(
         sizes = attention[owner] or ({counts.head_dim} - {0})
         heads, kv = _counts(attn, counts)
         parts = style.packed_parts
-        part_len = weight.shape[style.weight_dim] // parts
-        for count, what in ((heads, QUERY_HEADS), (kv, KV_HEADS)):
-            unit = part_len // count if count and part_len % count == 0 else 0
-            if unit and any(unit % d == 0 for d in sizes):
-                shape = tuple(weight.shape)
-                cuts.append(
-                    HeadCut(mod_name, owner, shape, style.weight_dim, parts, count, unit, what)
-                )
-                break
+        found = _heads_of(weight.shape[style.weight_dim] // parts, sizes, heads, kv)
+        if found:
+            count, unit, what = found
+            shape = tuple(weight.shape)
+            cuts.append(HeadCut(mod_name, owner, shape, style.weight_dim, parts, count, unit, what))
     return cuts
+
+
+def _heads_of(features: int, sizes: set[int], heads: int, kv: int) -> tuple[int, int, str] | None:
+    """(count, unit, what) of the heads `features` holds: a unit that is a head size, else a
+    multiple of one (fused q/k/v, latent up-projections); query heads first. A value head
+    wider than the query/key head (MiMo's) can hold as many features as two query heads'
+    worth: the unit that is itself a head size says which it is."""
+    candidates = []
+    for count, what in ((heads, QUERY_HEADS), (kv, KV_HEADS)):
+        if count and features % count == 0:
+            candidates.append((count, features // count, what))
+    for fits in (lambda unit: unit in sizes, lambda unit: any(unit % d == 0 for d in sizes)):
+        for count, unit, what in candidates:
+            if fits(unit):
+                return count, unit, what
+    return None
 
 
 def replicated_kv(cuts: list[HeadCut], world_size: int) -> list[HeadCut]:
