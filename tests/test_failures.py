@@ -429,6 +429,7 @@ def test_a_failed_verify_says_why_in_one_line_without_a_traceback(tiny, tmp_path
     # named where the styles break: the rowwise q_proj given the whole hidden state
     failed = "tpviz load: verify failed: LoadError: rank 0: forward failed in "
     assert line.startswith(failed + "model.layers.0.self_attn.q_proj: RuntimeError: ")
+    assert line.endswith("`tpviz plan --suggest` finds one that runs)")  # what to do
     result = json.loads(done.stdout)
     assert result["plan_matches_shards"] and result["verify"]["ok"] is False
     assert [e["code"] for e in result["errors"]] == ["VerifyFailed"]

@@ -46,6 +46,12 @@ DTENSOR_MET_OUTSIDE = (
     "the model's code uses a tensor this rank holds as a DTensor outside its module; "
     "`tpviz plan --simulate` names it, `tpviz plan --suggest` finds a plan that runs"
 )
+# a forward that fails inside a module on the ranks, where the whole model runs, fails on what
+# the plan cut (a shipped plan may not fit its own model's code: Doge's)
+CUTS_MAY_NOT_FIT = (
+    "a plan whose cuts the model's code does not follow fails so: `tpviz plan --simulate` "
+    "checks a plan on simulated ranks, `tpviz plan --suggest` finds one that runs"
+)
 
 
 def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
@@ -159,10 +165,13 @@ def _failed(loaded: ShardedModel, command: Command, error: Exception, why: str =
     one did (a plan whose styles do not compose fails in the module they break), the
     traceback beside it."""
     said = error_text(error)
+    module = failing_module(error, loaded.model)
     if "mixed torch.Tensor and DTensor" in said:  # DTensor's words for it
         said += f" ({DTENSOR_MET_OUTSIDE})"
+    elif command.name is CommandName.FORWARD and module is not None:
+        said += f" ({CUTS_MAY_NOT_FIT})"
     kind = type(error).__name__
-    where = failed_in(failing_module(error, loaded.model))
+    where = failed_in(module)
     text = f"rank {loaded.rank}: {command.name} failed{where}: {why}{kind}"
     text += f": {said}" if said != kind else ""
     return Reply(command.command_id, False, text, traceback.format_exc())
