@@ -258,6 +258,17 @@ def test_experts_narrower_than_grouped_mm_takes_run_on_another_kernel(moe):
     assert tpviz.simulate_plan(plan).ok
 
 
+NARROW = dict(num_experts=4, moe_intermediate_size=6, head_dim=16, num_key_value_heads=4)
+
+
+def test_experts_too_narrow_for_grouped_mm_even_whole_are_simulated(tmp_path):
+    """6 float32 features a row (24 bytes): torch's grouped_mm refuses even the whole model's
+    experts, so transformers' own forward fails. The whole instance a plan is checked against
+    runs batched_mm too, and so do its ranks (3 features each)."""
+    config_of("qwen3_moe", {"qwen3_moe": ("qwen3_moe", NARROW)}).save_pretrained(tmp_path)
+    assert tpviz.simulate_plan(tpviz.resolve_plan(tmp_path, 2, TP_PLANS["qwen3_moe"])).ok
+
+
 def test_moe_checkpoints_plan_from_the_command_line(moe, cli, tmp_path):
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps(TP_PLANS["mixtral"]))
@@ -314,6 +325,17 @@ def test_mixtral_matches_transformers_under_every_strategy(moe, strategy):
 )
 def test_moe_logits_match_transformers(moe, name, world_size, dtype):
     _load_and_compare(name, moe[name], world_size, dtype)
+
+
+@pytest.mark.slow
+def test_a_reference_whose_experts_grouped_mm_refuses_still_verifies(tmp_path):
+    """--verify's single-process reference runs batched_mm where grouped_mm refuses its
+    experts' rows, as the ranks do."""
+    source = save_models(tmp_path, {"narrow": ("qwen3_moe", NARROW)})["narrow"]
+    plan = tpviz.resolve_plan(source, 2, TP_PLANS["qwen3_moe"])
+    with tpviz.launch(source, 2, plan, verify=True) as job:
+        verify = job.wait(240)["verify"]
+    assert verify["ok"] and verify["max_abs_diff"] <= 1e-4, verify
 
 
 class _Experts(torch.nn.Module):

@@ -23,7 +23,6 @@ from typing import Any
 from torch import nn
 
 from .. import styles
-from ..checkpoint import torch_dtype
 from .issues import Issues
 from .patterns import CompiledPlan, PlanKey
 from .types import ResolvedPlan, TensorPlan
@@ -311,27 +310,23 @@ def local_experts(plan: ResolvedPlan, rank: int) -> dict[str, tuple[int, int]]:
     return out
 
 
-def fit_expert_kernels(model: nn.Module, plan: ResolvedPlan, rank: int) -> None:
-    """On a rank (real or simulated): transformers' experts run torch's grouped_mm by default,
-    which refuses operands whose rows are not a multiple of 16 bytes. A cut that leaves this
-    rank's expert tensors narrower rows (a small or odd width over many ranks) would fail in
-    the forward, so such a module runs transformers' batched_mm instead: the same products, any
-    width. The module gets a config of its own, so the choice stays with this rank's module."""
+def fit_expert_kernels(model: nn.Module, plan: ResolvedPlan | None = None, rank: int = 0) -> None:
+    """transformers' experts run torch's grouped_mm by default, which refuses operands whose
+    rows are not a multiple of 16 bytes. Where the expert tensors a model runs have narrower
+    rows than that (a small or odd width, or a cut of one over many ranks), their forward would
+    fail, so such a module runs transformers' batched_mm instead: the same products, any width.
+    With `plan`: the rank's shards of it (real or simulated ranks); without: the tensors the
+    model holds (a whole model, the reference). The module gets a config of its own, so the
+    choice stays with it."""
     for name, module in model.named_modules():
         config = getattr(module, "config", None)
         if getattr(config, "_experts_implementation", None) != "grouped_mm":
             continue
-        stacked = [
-            f"{name}.{leaf}" if name else leaf
-            for leaf, p in module.named_parameters(recurse=False)
-            if p.dim() >= 3
-        ]
-        if any(not _rows_aligned(plan.tensor(t), rank) for t in stacked):
-            module.config = copy.deepcopy(config)
-            module.config._experts_implementation = "batched_mm"
-
-
-def _rows_aligned(tensor: TensorPlan, rank: int) -> bool:
-    itemsize = torch_dtype(tensor.dtype).itemsize
-    shape = tensor.ranks[rank].shape
-    return all(width * itemsize % GROUPED_MM_ALIGN == 0 for width in shape[-2:])
+        for leaf, p in module.named_parameters(recurse=False):
+            if p.dim() < 3:
+                continue
+            shape = plan.tensor(_join(name, leaf)).ranks[rank].shape if plan else p.shape
+            if any(width * p.dtype.itemsize % GROUPED_MM_ALIGN for width in shape[-2:]):
+                module.config = copy.deepcopy(config)
+                module.config._experts_implementation = "batched_mm"
+                break

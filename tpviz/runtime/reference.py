@@ -12,6 +12,7 @@ from ..checkpoint import BlockReader, Checkpoint, torch_dtype
 from ..keymap import in_saved_order
 from ..models import ModelAdapter, build_skeleton
 from ..plan import ResolvedPlan, TensorPlan
+from ..plan.experts import fit_expert_kernels
 from ..strategies.reads import whole_reads
 from .executor import LoadContext, read_into
 from .parallelize import owner_of
@@ -57,6 +58,7 @@ class FullModel:
         self.plan = plan
         self.adapter = adapter
         self.model = plan_skeleton(plan, adapter, config, torch.device("cpu"))
+        fit_expert_kernels(self.model)
         torch.manual_seed(seed)
 
     @property

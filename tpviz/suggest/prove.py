@@ -20,6 +20,7 @@ from torch import nn
 from ..format import first_line
 from ..models import build_skeleton, get_adapter, prompt_ids, read_config
 from ..plan import ResolvedPlan, resolve_plan
+from ..plan.experts import fit_expert_kernels
 from .simulate import RankForwardError, run_ranks
 
 TOLERANCE = 1e-4  # relative to the largest logit; the instance runs in float32
@@ -157,6 +158,7 @@ def _instance(
     with torch.random.fork_rng():
         torch.manual_seed(0)
         instance = build_skeleton(adapter, small, torch.float32, device="cpu")
+        fit_expert_kernels(instance)
         with torch.no_grad():
             for p in instance.parameters():
                 if p.numel() > 1 and bool((p == p.flatten()[0]).all()):
