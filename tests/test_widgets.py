@@ -572,6 +572,18 @@ def test_files_the_launcher_ends_read_as_failed_even_where_a_rank_was_cut_off(tm
     assert [e.rank for e in read_events_dir(tmp_path / "new")] == [0, 1]
 
 
+def test_a_ranks_own_error_after_its_peer_failed_is_followed_by_the_jobs_cause(tmp_path):
+    """A rank whose collective broke when its peer died or failed writes an error of its own;
+    the launcher still ends its file with the job's cause, so that a follower names the cause,
+    and leaves the error of the rank that failed the job as that rank's end."""
+    _write_events(tmp_path, [Error(0, 1.0, message="Connection closed by peer")])
+    _write_events(tmp_path, [Error(1, 1.5, message="bad read")])
+    end_rank_files(tmp_path, [None, None], "rank 1 failed: bad read", 2.0, cause=1)
+    last = {e.rank: e for e in read_events_dir(tmp_path)}
+    assert last[0].message == "the job ended: rank 1 failed: bad read"
+    assert last[1].message == "bad read"
+
+
 @pytest.mark.slow
 def test_cancel_button_really_cancels(tiny):
     job = tpviz.launch(tiny, 2, timeout=WAIT)

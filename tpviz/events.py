@@ -214,15 +214,25 @@ def read_events_dir(directory: str | os.PathLike) -> list[Event]:
     return JsonlTail(directory).read_new()
 
 
+JOB_ENDED = "the job ended: "  # how the launcher's end of a rank's file begins
+
+
 def end_rank_files(
-    directory: str | os.PathLike, modules: list[str | None], why: str, t: float
+    directory: str | os.PathLike,
+    modules: list[str | None],
+    why: str,
+    t: float,
+    cause: int | None = None,
 ) -> None:
-    """End each rank's file of a load that stopped before the rank wrote its `done` or
-    `error` (a cancel, a peer's death, a timeout: the launcher ended it, and an ended rank
-    writes nothing of it) with an `error` saying `why`, at the module it was in (`modules`,
-    by rank), so that a follower of the dir sees the job end rather than files that stop
-    growing. A line the rank was cut off in is ended first (readers skip it); a file that
-    cannot be written or read is left as it is. The dir is made if no rank had made it yet."""
+    """End each rank's file of a load that stopped before the rank wrote its `done` (a cancel,
+    a peer's death, a timeout: the launcher ended it, and an ended rank writes nothing of it)
+    with an `error` saying `why`, at the module it was in (`modules`, by rank), so that a
+    follower of the dir sees the job end rather than files that stop growing. A rank's own
+    `error` ends its file only when it is the job's (`cause`, the rank that failed it); one
+    written after a peer died (its collective broken) gets the job's end after it, so that a
+    follower names the cause, not the consequence. A line the rank was cut off in is ended
+    first (readers skip it); a file that cannot be written or read is left as it is. The dir
+    is made if no rank had made it yet."""
     with contextlib.suppress(OSError):
         os.makedirs(directory, exist_ok=True)
     for rank, module in enumerate(modules):
@@ -230,12 +240,18 @@ def end_rank_files(
         with contextlib.suppress(OSError, ValueError), open(path, "a+b") as f:
             f.seek(0)
             lines = f.read().decode("utf-8", "replace").split("\n")
-            if _has_ended(lines):
+            if _has_ended(lines, own_error_ends=rank == cause):
                 continue
-            ended = Error(rank, t, message=f"the job ended: {why}", module=module)
+            ended = Error(rank, t, message=f"{JOB_ENDED}{why}", module=module)
             f.write((("\n" if lines[-1] else "") + encode(ended) + "\n").encode())
 
 
-def _has_ended(lines: list[str]) -> bool:
-    """Whether a rank's file holds its `done` or `error` (a memory sample may follow it)."""
-    return any(isinstance(e, Done | Error) for e in _whole_events(lines))
+def _has_ended(lines: list[str], own_error_ends: bool) -> bool:
+    """Whether a rank's file holds its `done`, the launcher's end, or (`own_error_ends`) an
+    `error` of its own (a memory sample may follow any of them)."""
+    for e in _whole_events(lines):
+        if isinstance(e, Done):
+            return True
+        if isinstance(e, Error) and (own_error_ends or e.message.startswith(JOB_ENDED)):
+            return True
+    return False

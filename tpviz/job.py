@@ -193,7 +193,8 @@ class LoadJob:
         if self._events_dir and self.result is None:
             why = str(self.error or "the job was shut down before every rank had loaded")
             modules = [self.progress[r].module for r in range(self.plan.world_size)]
-            end_rank_files(self._events_dir, modules, why, time.time())
+            cause = self.error.rank if self.error is not None else None
+            end_rank_files(self._events_dir, modules, why, time.time(), cause)
 
     def _pump_failed(self, error: Exception) -> None:
         self._fail(LoadError(f"tpviz's launcher failed: {type(error).__name__}: {error}"))
