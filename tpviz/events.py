@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 VERSION = 1
 LAUNCHER_RANK = -1  # the `rank` of the events the launcher itself makes (its job's states)
+JOB_ENDED = "the job ended: "  # how the launcher's end of a rank's file begins
 
 
 class RankPhase(StrEnum):
@@ -212,9 +213,6 @@ def _whole_events(lines: list[str]) -> Iterator[Event]:
 def read_events_dir(directory: str | os.PathLike) -> list[Event]:
     """Every event in an events dir, ordered by time."""
     return JsonlTail(directory).read_new()
-
-
-JOB_ENDED = "the job ended: "  # how the launcher's end of a rank's file begins
 
 
 def end_rank_files(

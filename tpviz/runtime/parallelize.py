@@ -18,10 +18,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..checkpoint import dtype_name
-from ..heads import set_local_kv_groups
 from ..models.adapter import local_of
 from ..plan import ResolvedPlan, TensorPlan
-from ..plan.experts import fit_expert_kernels, local_experts
+from ..plan.rank_model import fit_rank_model
 from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward
 from ..styles.expert_parallel import route_to_local_experts
 
@@ -122,9 +121,7 @@ def apply_styles(model: nn.Module, plan: ResolvedPlan, mesh: DeviceMesh) -> None
     """Install the forward hooks of every module whose style redistributes activations, and
     give attention whose key-value heads are replicated its local head ratio and experts a
     kernel that takes their local widths."""
-    set_local_kv_groups(model, plan.local_kv_groups)
-    fit_expert_kernels(model, plan, mesh.get_local_rank())
-    experts = local_experts(plan, mesh.get_local_rank())
+    experts = fit_rank_model(model, plan, mesh.get_local_rank())
     for name in plan.module_styles:
         forward = forward_of(plan, name)
         if forward is None:

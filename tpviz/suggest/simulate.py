@@ -27,9 +27,8 @@ from torch.utils._pytree import tree_leaves
 from ..chunks import Block
 from ..errors import failed_in, failing_module
 from ..format import first_line
-from ..heads import set_local_kv_groups
 from ..plan import ResolvedPlan, TensorPlan
-from ..plan.experts import fit_expert_kernels, local_experts
+from ..plan.rank_model import fit_rank_model
 from ..styles import PARTIAL, REPLICATE, ROUTED, STYLES, Forward
 from ..styles.expert_parallel import route_to_local_experts
 
@@ -173,9 +172,7 @@ def run_ranks(
     copies, watches = [], []
     for rank in range(plan.world_size):
         local, watch = _rank_copy(model, plan, rank), _DTensorWatch()
-        set_local_kv_groups(local, plan.local_kv_groups)
-        fit_expert_kernels(local, plan, rank)
-        experts = local_experts(plan, rank)
+        experts = fit_rank_model(local, plan, rank)
         for mod_name, style_name in plan.module_styles.items():
             forward = STYLES[style_name].forward
             module = local.get_submodule(mod_name)
