@@ -562,16 +562,30 @@ def test_style_table_has_every_documented_style():
         styles.canonical("nope")
 
 
-def test_a_rope_scaling_the_builtin_llama_lacks_is_planned_with_transformers(tmp_path):
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
-    config = {**LLAMA_70B, "num_hidden_layers": 1, "rope_scaling": yarn}
-    source = write_config(tmp_path / "yarn", **config)
-    # refused while planning, before any rank starts, when the built-in Llama is asked for
-    with pytest.raises(ValueError, match="rope type 'yarn' is not implemented .* use --model hf"):
+@pytest.mark.parametrize(
+    "changes, refusal",
+    [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                           "original_max_position_embeddings": 8192}},
+         "rope type 'yarn' (it computes default, linear, llama3) is not implemented"),
+        ({"hidden_act": "gelu"},
+         "hidden_act 'gelu' (its MLP is SwiGLU, with silu) is not implemented"),
+    ],
+    ids=["rope-yarn", "gelu-mlp"],
+)  # fmt: skip
+def test_a_llama_setting_the_builtin_llama_lacks_is_planned_with_transformers(
+    tmp_path, changes, refusal
+):
+    """The built-in Llama would load the same tensors and compute other logits: `auto` gives
+    such a config to transformers, and asking for the built-in is refused while planning."""
+    source = write_config(tmp_path / "other", **{**LLAMA_70B, "num_hidden_layers": 1, **changes})
+    with pytest.raises(ValueError, match=f"config.json: {re.escape(refusal)}.* use --model hf"):
         resolve_plan(source, 8, model="builtin")
     pytest.importorskip("transformers")
     assert resolve_plan(source, 8).model == "hf"  # what `auto` picks for it
     assert resolve_plan(write_config(tmp_path / "llama3", **LLAMA_70B), 8).model == "builtin"
+    swish = write_config(tmp_path / "swish", **{**LLAMA_70B, "hidden_act": "swish"})
+    assert resolve_plan(swish, 8).model == "builtin"  # transformers' other name for SiLU
 
 
 def test_a_resolved_plan_refuses_arguments_it_contradicts(tiny, tiny_tied):

@@ -10,6 +10,7 @@ PRESETS = ("tiny", "small", "medium")
 
 LLAMA_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
 BUILTIN_ROPE_TYPES = frozenset({"default", "linear", "llama3"})  # what tpviz's Llama computes
+BUILTIN_ACTIVATIONS = frozenset({"silu", "swish"})  # transformers' names for SiLU
 
 
 def model_family(config: dict, model: str | None) -> str:
@@ -21,7 +22,20 @@ def model_family(config: dict, model: str | None) -> str:
         return choice
     arch = set(config.get("architectures") or [])
     is_llama = config.get("model_type") == "llama" and (not arch or arch <= LLAMA_ARCHITECTURES)
-    return "builtin" if is_llama and rope_type(config) in BUILTIN_ROPE_TYPES else "hf"
+    return "builtin" if is_llama and builtin_cannot_compute(config) is None else "hf"
+
+
+def builtin_cannot_compute(config: dict) -> str | None:
+    """The first setting of a Llama config that tpviz's own Llama does not compute, said as
+    "KEY VALUE (what it computes)", or None. Each is a setting transformers' Llama reads: a
+    model built without it would load the same tensors and give other logits."""
+    kind = rope_type(config)
+    if kind not in BUILTIN_ROPE_TYPES:
+        return f"rope type {kind!r} (it computes {', '.join(sorted(BUILTIN_ROPE_TYPES))})"
+    activation = config.get("hidden_act", "silu")
+    if activation not in BUILTIN_ACTIVATIONS:
+        return f"hidden_act {activation!r} (its MLP is SwiGLU, with silu)"
+    return None
 
 
 def rope_type(config: dict) -> str:

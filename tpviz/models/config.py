@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..choices import rope_type
+from ..choices import builtin_cannot_compute, rope_type
 from ..inputs import InputFileError, read_json, stat_path
 from .limits import config_problem
 
@@ -118,6 +118,12 @@ class LlamaDims:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> LlamaDims:
+        unsupported = builtin_cannot_compute(config)
+        if unsupported:
+            raise ConfigError(
+                f"config.json: {unsupported} is not implemented by tpviz's built-in Llama; "
+                "use --model hf or --model auto"
+            )
         flags = {
             key: config_flag(config, key)
             for key in ("tie_word_embeddings", "attention_bias", "mlp_bias")

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..choices import BUILTIN_ROPE_TYPES
-from .config import ConfigError, LlamaDims
+from .config import LlamaDims
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +34,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(dims: LlamaDims, device: torch.device | str | None = None) -> torch.Tensor:
-    """Inverse rotary frequencies, with the `linear` and `llama3` scalings real configs use."""
+    """Inverse rotary frequencies, with the `linear` and `llama3` scalings real configs use
+    (the rope types `LlamaDims.from_config` admits)."""
     d = dims.head_dim
     inv_freq = 1.0 / (
         dims.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d)
@@ -46,31 +46,20 @@ def rope_inv_freq(dims: LlamaDims, device: torch.device | str | None = None) -> 
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(is_mid, mid, scaled)
-    raise _unsupported_rope(kind)
-
-
-def _unsupported_rope(kind: str) -> ConfigError:
-    return ConfigError(
-        f"rope type {kind!r} is not implemented by tpviz's built-in Llama (it computes "
-        f"{', '.join(sorted(BUILTIN_ROPE_TYPES))}); use --model hf or --model auto"
-    )
+    factor = float(scaling["factor"])  # llama3
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_mid, mid, scaled)
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, dims: LlamaDims):
         super().__init__()
-        if dims.rope_scaling["rope_type"] not in BUILTIN_ROPE_TYPES:  # refused while planning
-            raise _unsupported_rope(dims.rope_scaling["rope_type"])
         self.dims = dims
         # on meta only the shape matters (and meta arange would import torch._dynamo)
         on_meta = torch.get_default_device().type == "meta"
