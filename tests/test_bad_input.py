@@ -169,6 +169,8 @@ def test_non_regular_files_are_refused_without_blocking(single, tmp_path):
 
 
 def test_a_directory_named_like_a_shard_is_refused(ck, capsys):
+    # without model.safetensors or an index, every *.safetensors file in the folder is read
+    (ck / "model.safetensors").rename(ck / "a.safetensors")
     (ck / "extra.safetensors").mkdir()
     assert "must be a regular file, but this is a directory" in refused(capsys, "plan", ck)
 
@@ -374,6 +376,23 @@ def test_a_tensor_in_two_shards_is_named_with_both(ck, capsys):
     _index(ck, {NORM: "b.safetensors", "lm_head.weight": "model-00001-of-00001.safetensors"})
     err = refused(capsys, "plan", ck)
     assert "appears in both" in err and "does not list it" not in err
+
+
+def test_model_safetensors_is_read_before_an_index_beside_it_as_transformers_does(ck, capsys):
+    """A folder holding both layouts (a re-save left the other behind) may hold two models'
+    weights: transformers reads model.safetensors, so tpviz plans that, and says what it
+    leaves unread."""
+    names = list(read_header(ck / "model.safetensors"))
+    shutil.copy(ck / "model.safetensors", ck / "stale.safetensors")
+    index = {"weight_map": dict.fromkeys(names, "stale.safetensors")}
+    (ck / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert Checkpoint.open(ck).files == [str(ck / "model.safetensors")]
+    assert main(["plan", str(ck), "--world-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "{model.safetensors.index.json, ... (2 files)}: not read: model.safetensors is, the "
+        "file transformers reads first; planned without them"
+    ) in out
 
 
 def _pickle_only(ck: Path) -> None:

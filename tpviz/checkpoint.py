@@ -40,8 +40,9 @@ __all__ = [
 class Checkpoint:
     """Metadata of a checkpoint: one file, a sharded index, or a directory holding either.
 
-    `tensors` is empty for a directory that holds only `config.json` (planning without weights);
-    `unused` then says which weight-like files were found there and why they are not read.
+    `tensors` is empty for a directory that holds only `config.json` (planning without weights).
+    `unused` says which weight-like files were found there and why they are not read: then, or
+    beside a `model.safetensors` (the file transformers reads first).
     """
 
     path: str
@@ -61,7 +62,9 @@ class Checkpoint:
         is_dir = stat.S_ISDIR(stat_path(path, "checkpoint", CheckpointError).st_mode)
         path = Path(path).resolve()
         if is_dir:
-            if os.path.lexists(path / INDEX_NAME):
+            if os.path.lexists(path / SINGLE_NAME):
+                ckpt = cls._single_file(path)
+            elif os.path.lexists(path / INDEX_NAME):
                 ckpt = cls._from_index(path / INDEX_NAME)
             else:
                 files = sorted(path.glob("*.safetensors"))
@@ -78,6 +81,18 @@ class Checkpoint:
         if path.name.endswith(".index.json"):
             return cls._from_index(path)
         return cls(str(path.parent), read_header(path))
+
+    @classmethod
+    def _single_file(cls, directory: Path) -> Checkpoint:
+        """A directory holding `model.safetensors`: that file alone, as transformers reads it
+        before an index or other files (a sharded copy beside it may hold other weights)."""
+        others = [
+            f.name
+            for f in sorted(directory.iterdir())
+            if f.name != SINGLE_NAME and f.name.endswith((".safetensors", INDEX_NAME))
+        ]
+        why = f"not read: {SINGLE_NAME} is, the file transformers reads first"
+        return cls(str(directory), read_header(directory / SINGLE_NAME), dict.fromkeys(others, why))
 
     @classmethod
     def _from_index(cls, index: Path) -> Checkpoint:

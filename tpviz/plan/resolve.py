@@ -300,9 +300,13 @@ def _check_checkpoint(found: SourceModel, entries: list[TensorPlan], issues: Pla
     ckpt = found.ckpt
     if ckpt is None:
         return
-    for file, why in ckpt.unused.items():
+    for why in dict.fromkeys(ckpt.unused.values()):  # one warning per reason
+        files = [file for file, reason in ckpt.unused.items() if reason == why]
+        named = files[0] if len(files) == 1 else f"{{{files[0]}, ... ({len(files)} files)}}"
         issues.warnings.add(
-            "unused_weights", file, f"{ckpt.path}/{file}: {why}; planned without it"
+            "unused_weights",
+            files[0],
+            f"{ckpt.path}/{named}: {why}; planned without {'it' if len(files) == 1 else 'them'}",
         )
     if ckpt.has_weights:
         shapes = {k: info.shape for k, info in ckpt.tensors.items()}
