@@ -198,6 +198,10 @@ def _config(ck: Path, **changes) -> Path:
         ("num_key_value_heads", 2.5, "whole number"),
         ("torch_dtype", "int8", "floating-point"),
         ("dtype", "float99", "not a torch dtype"),
+        ("num_attention_heads", None, "num_attention_heads is null; a Llama model needs it"),
+        ("rms_norm_eps", math.nan, "NaN is not a setting"),
+        ("rope_parameters", {"rope_type": "default", "rope_theta": math.nan}, "NaN is not"),
+        ("layer_norm_epsilon", -1e-5, "an epsilon must be a finite number >= 0"),
     ],
 )
 def test_config_values_that_cannot_be_real_are_refused(ck, capsys, key, value, words):
@@ -532,8 +536,11 @@ def refused_after_transformers_warnings(capsys, *args) -> str:
          'not ["llama"]'),
         ({"model_type": "llamma"},
          "does not know model_type 'llamma' (close: llama, mllama, llama4); fix it"),
+        ({"model_type": None},
+         'config.json has no model_type; add the model\'s (such as "llama")'),
     ],
-    ids=["unknown-rope-type", "yarn-without-factor", "list-model-type", "unknown-model-type"],
+    ids=["unknown-rope-type", "yarn-without-factor", "list-model-type", "unknown-model-type",
+         "no-model-type"],
 )  # fmt: skip
 def test_transformers_config_errors_say_what_it_refused(ck, capsys, model, changes, words):
     # rope types tpviz's Llama lacks, and unknown model types, go to transformers under auto

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,15 +30,34 @@ def error_text(error: BaseException, limit: int = 300) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
+def config_path(source: str | os.PathLike) -> Path:
+    """`config.json` of a checkpoint directory (or of the directory holding a checkpoint
+    file)."""
+    is_dir = stat.S_ISDIR(stat_path(source, "source", ConfigError).st_mode)
+    return (Path(source) if is_dir else Path(source).parent) / "config.json"
+
+
+@contextlib.contextmanager
+def naming_config_file(source: str | os.PathLike) -> Iterator[None]:
+    """Refusals of config.json's content raised while a model is built from it (adapters
+    begin them "config.json") name the file itself."""
+    try:
+        yield
+    except ConfigError as e:
+        text = str(e)
+        if e.file is not None or not text.startswith("config.json"):
+            raise
+        file = config_path(source)
+        raise ConfigError(f"{file}{text.removeprefix('config.json')}", str(file)) from None
+
+
 def read_config(source: str | Path) -> dict[str, Any]:
     """`config.json` of a checkpoint directory (or of the directory holding a checkpoint file),
     its sizes and dtype checked (see limits.py)."""
-    is_dir = stat.S_ISDIR(stat_path(source, "source", ConfigError).st_mode)
-    directory = Path(source) if is_dir else Path(source).parent
-    file = directory / "config.json"
+    file = config_path(source)
     if not os.path.lexists(file):
         raise ConfigError(
-            f"{directory}: no config.json; a source needs one to build the model", str(file)
+            f"{file.parent}: no config.json; a source needs one to build the model", str(file)
         )
     config = read_json(file, "config", ConfigError)
     if not isinstance(config, dict):
@@ -128,29 +149,24 @@ class LlamaDims:
             key: config_flag(config, key)
             for key in ("tie_word_embeddings", "attention_bias", "mlp_bias")
         }
+        heads, hidden = _whole(config, "num_attention_heads"), _whole(config, "hidden_size")
         try:
-            heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
             theta, scaling = rope_settings(config)
             dims = cls(
-                vocab_size=int(config["vocab_size"]),
+                vocab_size=_whole(config, "vocab_size"),
                 hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_layers=int(config["num_hidden_layers"]),
+                intermediate_size=_whole(config, "intermediate_size"),
+                num_layers=_whole(config, "num_hidden_layers"),
                 num_heads=heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
+                num_kv_heads=_whole(config, "num_key_value_heads", heads),
+                head_dim=_whole(config, "head_dim", hidden // heads),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
-                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+                max_position_embeddings=_whole(config, "max_position_embeddings", 2048),
                 **flags,
             )
-        except KeyError as e:
-            raise ConfigError(
-                f"config.json lacks {e.args[0]!r}, which a Llama model needs"
-            ) from None
-        except (TypeError, ValueError, ZeroDivisionError) as e:
+        except (KeyError, TypeError, ValueError) as e:  # inside rope or eps settings
             raise ConfigError(f"config.json holds a value a Llama model cannot use ({e})") from None
         if dims.head_dim < 1:
             raise ConfigError(
@@ -158,3 +174,15 @@ class LlamaDims:
                 "head_dim; give head_dim or fewer heads"
             )
         return dims
+
+
+def _whole(config: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A size of a Llama config (limits.py checked it is whole where given); absent, null or 0
+    (as configs write "derive it"), `default`, and without one the key is named as missing."""
+    value = config.get(key)
+    if not value:
+        if default is None:
+            state = "null" if key in config else "missing"
+            raise ConfigError(f"config.json: {key} is {state}; a Llama model needs it")
+        return default
+    return int(value)

@@ -81,7 +81,10 @@ class HFAdapter(ModelAdapter):
         """config.json's `model_type`, one transformers has a config class for."""
         model_type = config.get("model_type")
         if not model_type:
-            raise ConfigError("config.json has no model_type; transformers cannot build it")
+            raise ConfigError(
+                'config.json has no model_type; add the model\'s (such as "llama"): '
+                "transformers builds a model by it"
+            )
         if not isinstance(model_type, str):
             raise ConfigError(
                 f"config.json: model_type must be a string naming a model type (such as "

@@ -6,7 +6,8 @@ a key of the (text) config that names a size or a count (`*_size`, `*_dim`, `num
 `*_layers`, ...) must hold a whole number when it holds a value at all, >= 1 for the widths
 every model is built from, else >= -1 (real configs write 0 or -1 for "none"). Lists and
 objects are left to the model code (some configs give per-layer lists). The declared dtype
-must be a floating-point one: floating-point weights are cast to it.
+must be a floating-point one: floating-point weights are cast to it. No value may be NaN, and
+an epsilon (`*_eps`, `*_epsilon`) must be finite and >= 0: either would make every logit NaN.
 
 Why these limits. Resolving a plan costs time and memory per tensor (about 0.15 ms and 10 KB
 each at world size 8 here), and the skeleton's tensors are the layers times the tensors of one
@@ -41,6 +42,7 @@ POSITIVE_KEY = re.compile(
     r"^((hidden|intermediate|vocab)_size|num_(\w+_)?heads|num_hidden_layers)$"
 )
 REQUIRED = {"hidden_size", "vocab_size", "num_hidden_layers"}
+EPSILON_KEY = re.compile(r"(^|_)eps(ilon)?$")  # rms_norm_eps, layer_norm_epsilon, norm_eps
 
 
 def config_problem(config: dict[str, Any]) -> str | None:
@@ -52,9 +54,30 @@ def config_problem(config: dict[str, Any]) -> str | None:
     for prefix, scope in scopes:
         for key, value in scope.items():
             problem = _size_problem(key, value) or _dtype_problem(key, value)
+            problem = problem or _number_problem(key, value)
             if problem:
                 return f"{prefix}{key} is {json.dumps(value)}: {problem}"
     return None
+
+
+def _number_problem(key: str, value: Any) -> str | None:
+    """NaN, anywhere in a value (a rope theta inside rope_parameters too), makes every logit
+    NaN; so does a negative epsilon under a square root. (Infinity is a real setting: no
+    softcap.)"""
+    if _holds_nan(value):
+        return "NaN is not a setting; give a number"
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if EPSILON_KEY.search(key) and is_number and not 0 <= value < math.inf:
+        return "an epsilon must be a finite number >= 0"
+    return None
+
+
+def _holds_nan(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isnan(value)
+    if isinstance(value, dict):
+        return any(map(_holds_nan, value.values()))
+    return isinstance(value, list) and any(map(_holds_nan, value))
 
 
 def _size_problem(key: str, value: Any) -> str | None:

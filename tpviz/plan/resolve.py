@@ -21,7 +21,7 @@ from torch import nn
 from ..checkpoint import Checkpoint, dtype_name, torch_dtype
 from ..keymap import match_checkpoint
 from ..models import ModelAdapter, adapter_for_module, build_skeleton, get_adapter, read_config
-from ..models.config import check_unquantized, config_dtype
+from ..models.config import check_unquantized, config_dtype, naming_config_file
 from ..strategies import STRATEGIES, forecast
 from .experts import (
     check_expert_parallel,
@@ -147,12 +147,14 @@ def read_source(
     the adapter `model` chooses for it, the headers of the checkpoint at `weights` (None: none
     read), and the meta skeleton built for the target dtype (`dtype`, else the source's)."""
     config = read_config(source)
-    adapter = get_adapter(config, model, source)
+    with naming_config_file(source):
+        adapter = get_adapter(config, model, source)
     ckpt = Checkpoint.open(weights) if weights is not None else None
     if ckpt is not None and ckpt.has_weights:
         check_unquantized(config, ckpt.path)
     target = _target_dtype(dtype, config, ckpt)
-    skeleton = build_skeleton(adapter, config, target)
+    with naming_config_file(source):
+        skeleton = build_skeleton(adapter, config, target)
     return SourceModel(skeleton, adapter, config, ckpt, str(Path(source).resolve()), target)
 
 
