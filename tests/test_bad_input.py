@@ -12,6 +12,7 @@ import struct
 import sys
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -358,6 +359,19 @@ def test_a_world_size_past_every_tensor_dimension_is_refused_at_once(ck, capsys,
     err = refused(capsys, command, ck, "--world-size", str(10**6))
     assert "world size 1000000 is larger than every dimension" in err
     assert f"use at most {largest}" in err
+
+
+def test_resolve_plan_names_an_argument_of_the_wrong_kind(ck):
+    from tpviz import resolve_plan
+
+    for source in (None, 3, b"ck"):  # 3 was read as file descriptor 3
+        with pytest.raises(ValueError, match=r"source must be a checkpoint's path \(str or "):
+            resolve_plan(source, 2)
+    with pytest.raises(ValueError, match="checkpoint must be a checkpoint's path"):
+        resolve_plan(ck, 2, checkpoint=5)
+    with pytest.raises(ValueError, match="kv_replication must be True or False, not 'no'"):
+        resolve_plan(ck, 2, kv_replication="no")  # was taken as True
+    assert resolve_plan(ck, np.int64(2)).world_size == 2  # an integer from numpy is one
 
 
 def test_launch_refuses_a_boolean_world_size(ck):

@@ -117,12 +117,17 @@ def test_options_that_cannot_take_effect_are_refused_before_launch(tiny, cli):
         "profile_forward profiles into profile_dir" in done.stderr
         and "--profile DIR" in done.stderr
     )
-    with pytest.raises(ValueError, match="seed must be an integer, not 'x'"):
-        tpviz.launch(tiny, 2, init="random", seed="x")
+    seeds = "seed must be an integer from -2**63 to 2**64 - 1"
     for kwargs, wrong in [
         ({"dtype": 5}, "dtype must be a name such as 'bfloat16' or a torch.dtype, not 5"),
         ({"verify": "no"}, "verify must be True or False, not 'no'"),
         ({"kv_replication": 1}, "kv_replication must be True or False, not 1"),
+        ({"profile_forward": "x"}, "profile_forward must be True or False, not 'x'"),
+        ({"init": "random", "seed": "x"}, f"{seeds}, not 'x'"),
+        ({"init": "random", "seed": 2**70}, f"{seeds}, not {2**70}"),
+        ({"heartbeat_timeout": None}, "heartbeat_timeout must be a positive, finite number"),
+        ({"events_dir": 5}, "events_dir must be a directory's path (str or os.PathLike), not 5"),
+        ({"model": 5}, "model must be a name (auto, builtin, hf, hf-remote-code or PKG.MOD:FN)"),
     ]:
         with pytest.raises(ValueError, match=re.escape(wrong)):
             tpviz.launch(tiny, 2, **kwargs)

@@ -43,6 +43,13 @@ def stat_path(
         raise error(f"{path}: cannot use it as the {what}: {reason}", str(path)) from None
 
 
+def check_path_argument(name: str, value: Any, what: str) -> None:
+    """A path given in Python must be a str or os.PathLike: `os.stat(5)` would read file
+    descriptor 5, and None or bytes would fail deep inside pathlib."""
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ValueError(f"{name} must be {what}, not {value!r}")
+
+
 def regular_file(
     path: str | os.PathLike, what: str, error: type[InputFileError] = InputFileError
 ) -> os.stat_result:

@@ -83,17 +83,19 @@ def _check_strategies(strategies: Any) -> None:
         check_strategy(strategy)
 
 
-def _check_seconds(name: str, value: float | None) -> None:
-    """A duration argument: None, or a number of seconds in (0, MAX_SECONDS] (not a bool; NaN
-    and infinity fail too)."""
-    if value is not None and (
+def _check_seconds(name: str, value: float | None, optional: bool = True) -> None:
+    """A duration argument: a number of seconds in (0, MAX_SECONDS] (not a bool; NaN and
+    infinity fail too), or None where `optional`."""
+    if value is None and optional:
+        return
+    if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not 0 < value <= MAX_SECONDS
     ):
         raise ValueError(
             f"{name} must be a positive, finite number of seconds, at most {MAX_SECONDS} "
-            f"(30 days), not {value!r}"
+            f"(30 days){', or None' if optional else ''}, not {value!r}"
         )
 
 
@@ -181,11 +183,11 @@ def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
     """Check a request (`launch()`'s arguments) and start its job: on new ranks, or on those
     of the loaded job `warm`, which hands them over only once the request is found valid."""
     a = SimpleNamespace(**args)
-    for flag in ("verify", "kv_replication", "force"):  # "no" would read as true
+    for flag in ("verify", "kv_replication", "force", "profile_forward"):  # "no" reads as true
         if not isinstance(args[flag], bool):
             raise ValueError(f"{flag} must be True or False, not {args[flag]!r}")
     _check_seconds("timeout", a.timeout)
-    _check_seconds("heartbeat_timeout", a.heartbeat_timeout)
+    _check_seconds("heartbeat_timeout", a.heartbeat_timeout, optional=False)
     resolved = resolve_plan(
         a.source,
         a.world_size,

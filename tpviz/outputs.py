@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .inputs import check_path_argument
+
 
 class OutputPathError(ValueError):
     """An output path tpviz cannot or must not write; the message names the path."""
@@ -77,6 +79,7 @@ def check_output_dir(path: str | os.PathLike, what: str, source: str | os.PathLi
     """The absolute path of an output directory that is writable or can be created; raises
     OutputPathError otherwise. `what` names it in messages ("events dir"); `source` is the
     checkpoint it must stay out of."""
+    check_path_argument(what.replace(" ", "_"), path, "a directory's path (str or os.PathLike)")
     out = Path(path).expanduser().absolute()
     _refuse_checkpoint(out, what, source)
     if not out.exists():
@@ -91,6 +94,7 @@ def check_output_dir(path: str | os.PathLike, what: str, source: str | os.PathLi
 def check_output_file(path: str | os.PathLike, what: str, source: str | os.PathLike) -> str:
     """The absolute path of an output file that can be written (created or replaced) in an
     existing directory; raises OutputPathError otherwise."""
+    check_path_argument(what.replace(" ", "_"), path, "a file's path (str or os.PathLike)")
     out = Path(path).expanduser().absolute()
     _refuse_checkpoint(out, what, source)
     if out.is_dir():

@@ -12,6 +12,7 @@ import gc
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import Checkpoint, dtype_name, torch_dtype
+from ..inputs import check_path_argument
 from ..keymap import match_checkpoint
 from ..models import ModelAdapter, adapter_for_module, build_skeleton, get_adapter, read_config
 from ..models.config import check_unquantized, config_dtype, naming_config_file
@@ -64,8 +66,10 @@ def resolve_plan(
     whole experts (expert parallelism), the rest as the plan says; None with a ResolvedPlan: as
     it was resolved. Problems are returned in `errors` / `warnings`, not raised.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, Integral) or world_size < 1:
         raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    world_size = int(world_size)  # a numpy integer too
+    _check_arguments(source, model, checkpoint, kv_replication)
     if experts is not None:
         check_layout(experts)
     if isinstance(plan, ResolvedPlan):
@@ -75,6 +79,25 @@ def resolve_plan(
         return _resolve_source(
             source, world_size, plan, dtype, model, checkpoint, kv_replication, experts or "tp"
         )[0]
+
+
+def _check_arguments(
+    source: object, model: object, checkpoint: object, kv_replication: object
+) -> None:
+    """The arguments' kinds, said by name (an int source would be read as a file descriptor,
+    "no" as true)."""
+    if not isinstance(source, nn.Module):
+        check_path_argument(
+            "source", source, "a checkpoint's path (str or os.PathLike) or an nn.Module"
+        )
+    if checkpoint is not None:
+        check_path_argument("checkpoint", checkpoint, "a checkpoint's path (str or os.PathLike)")
+    if model is not None and not isinstance(model, str):
+        raise ValueError(
+            f"model must be a name (auto, builtin, hf, hf-remote-code or PKG.MOD:FN), not {model!r}"
+        )
+    if not isinstance(kv_replication, bool):
+        raise ValueError(f"kv_replication must be True or False, not {kv_replication!r}")
 
 
 def _check_resolved(

@@ -45,8 +45,10 @@ class LoadOptions:
         check_strategy(self.strategy)
         if self.init not in ("checkpoint", "random"):
             raise ValueError(f"init must be 'checkpoint' or 'random', not {self.init!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, not {self.seed!r}")
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+            # torch.manual_seed's range: a seed outside it would fail on every rank
+            raise ValueError(f"seed must be an integer from -2**63 to 2**64 - 1, not {seed!r}")
         hz = self.memory_hz
         if (
             isinstance(hz, bool)
