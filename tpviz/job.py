@@ -172,7 +172,8 @@ class LoadJob:
         forked = len(self._procs)
         # a fork takes milliseconds once the server has imported torch (seconds; tens loaded)
         if forked < len(self._last_heard) and now - self._launched > 2 * self.heartbeat_timeout:
-            return self._rank_failed(forked, unforked_message(forked, now - self._launched))
+            late = unforked_message(forked, now - self._launched, self.heartbeat_timeout)
+            return self._rank_failed(forked, late)
         for rank, heard in enumerate(self._last_heard[:forked]):
             if heard is None:
                 self._last_heard[rank] = heard = now

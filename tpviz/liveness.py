@@ -88,13 +88,15 @@ def server_lost_message() -> str:
     )
 
 
-def unforked_message(rank: int, seconds: float) -> str:
+def unforked_message(rank: int, seconds: float, heartbeat_timeout: float) -> str:
     """tpviz's rank server (multiprocessing's forkserver) had not forked `rank` `seconds`
-    after the launch: it is stopped, stuck or starved."""
+    (twice `heartbeat_timeout`) after the launch: it is stopped, stuck or starved, or the
+    timeout is shorter than a fork takes here."""
     return (
         f"rank {rank} was not started: tpviz's rank server (the forkserver) had not forked it "
-        f"{seconds:.0f} s after the launch; the server was ended with the job, and the next "
-        "launch starts a new one"
+        f"{seconds:.2g} s after the launch (twice heartbeat_timeout, {heartbeat_timeout:g} s; "
+        "a larger one allows a slow start more); the server was ended with the job, and the "
+        "next launch starts a new one"
     )
 
 
