@@ -418,6 +418,14 @@ def test_cancel_during_a_reload_and_a_rank_dying_between_loads(tiny):
     job.shutdown()
     assert children() == []
 
+    job = tpviz.launch(tiny, 2)
+    job.wait(120)
+    os.kill(job._procs[1].pid, signal.SIGKILL)
+    for _ in range(2):  # the command that meets the death, then one on the failed job
+        with pytest.raises(tpviz.LoadError, match=r"rank 1 died \(signal 9"):
+            job.forward([[1, 2, 3]])
+    job.shutdown()
+
 
 @pytest.mark.slow
 def test_a_failed_verify_says_why_in_one_line_without_a_traceback(tiny, tmp_path, cli):

@@ -282,7 +282,8 @@ class LoadJob:
     def _command(self, name: CommandName, *args: Any) -> list[Any]:
         verifying = self.state is JobState.VERIFYING and name is CommandName.FORWARD
         if self.state is not JobState.LOADED and not verifying:
-            raise LoadError(f"the job is {self.state}; commands need a loaded model")
+            why = f" ({self.error})" if self.error is not None else ""
+            raise LoadError(f"the job is {self.state}{why}; commands need a loaded model")
         if name in (CommandName.FORWARD, CommandName.CALL):
             # what runs may stay (a forward imports torch._dynamo): the next load is the reference
             self._ranks.reference_baselines = None
