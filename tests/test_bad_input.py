@@ -313,12 +313,21 @@ def _index(ck: Path, weight_map) -> Path:
         (["model-00001-of-00001.safetensors"], 'needs an object "weight_map"'),
         ({NORM: 3}, f"weight_map entry {NORM!r} is 3"),
         ({NORM: None}, f"weight_map entry {NORM!r} is None"),
+        # another file of the checkpoint, or its folder, is not a shard (not "corrupt")
+        ({NORM: "config.json"}, "is 'config.json', not a .safetensors file name"),
+        ({NORM: "."}, "is '.', not a .safetensors file name"),
     ],
 )
 def test_index_weight_map_of_the_wrong_shape(ck, capsys, weight_map, words):
     index = _index(ck, weight_map)
     err = refused(capsys, "plan", ck)
     assert str(index) in err and words in err
+
+
+def test_a_source_file_that_is_not_a_checkpoint_file_is_called_so(ck, capsys):
+    err = refused(capsys, "plan", ck / "config.json")
+    assert f"{ck / 'config.json'}: not a checkpoint file (*.safetensors, or an index" in err
+    assert "give the checkpoint directory" in err and "corrupt" not in err
 
 
 @pytest.mark.parametrize("file", ["config.json", "model.safetensors.index.json", "plan.json"])

@@ -80,6 +80,12 @@ class Checkpoint:
             return ckpt
         if path.name.endswith(".index.json"):
             return cls._from_index(path)
+        if not path.name.endswith(".safetensors"):
+            raise CheckpointError(
+                f"{path}: not a checkpoint file (*.safetensors, or an index *.index.json); "
+                "give the checkpoint directory",
+                str(path),
+            )
         return cls(str(path.parent), read_header(path))
 
     @classmethod
@@ -127,9 +133,11 @@ def _weight_map(index: Path) -> dict[str, str]:
             str(index),
         )
     for name, file in weight_map.items():
-        if not isinstance(file, str) or not file:
+        if not isinstance(file, str) or not file.endswith(".safetensors"):
             raise CheckpointError(
-                f"{index}: weight_map entry {name!r} is {file!r}, not a file name", str(index), name
+                f"{index}: weight_map entry {name!r} is {file!r}, not a .safetensors file name",
+                str(index),
+                name,
             )
         # an index names files beside it; one reaching elsewhere (absolute, or through ..)
         # would make tpviz read a file the checkpoint does not hold
