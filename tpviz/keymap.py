@@ -22,8 +22,6 @@ from typing import TypeVar
 
 from torch import nn
 
-from .checkpoint import Checkpoint, torch_dtype
-
 T = TypeVar("T")
 
 
@@ -58,7 +56,7 @@ class KeyMapError(ValueError):
     """Checkpoint tensors that cannot be assembled as the model class asks."""
 
 
-def _odd_one_out(items: Sequence[T], kept: Callable[[T], Hashable]) -> tuple[T, T] | None:
+def odd_one_out(items: Sequence[T], kept: Callable[[T], Hashable]) -> tuple[T, T] | None:
     """Where `kept(item)` (what must agree) differs between items: the first item that differs
     from most, and one that agrees; None where all agree."""
     counts = Counter(kept(item) for item in items)
@@ -81,7 +79,7 @@ def _named(layout: Layout) -> str:
 
 def stack(layouts: Sequence[Layout], dim: int) -> Layout:
     """`torch.stack` of the layouts along a new dim `dim`."""
-    differ = _odd_one_out(layouts, lambda lay: tuple(lay.shape))
+    differ = odd_one_out(layouts, lambda lay: tuple(lay.shape))
     if differ:
         raise KeyMapError(f"cannot stack them: {_shapes_differ(*differ)}")
     shape = list(layouts[0].shape)
@@ -133,7 +131,7 @@ def cat(layouts: Sequence[Layout], dim: int) -> Layout:
     def other_dims(lay: Layout) -> tuple[int, ...]:
         return len(lay.shape), *lay.shape[:dim], *lay.shape[dim + 1 :]
 
-    differ = _odd_one_out(layouts, other_dims)
+    differ = odd_one_out(layouts, other_dims)
     if differ:
         raise KeyMapError(f"cannot concatenate them along dim {dim}: {_shapes_differ(*differ)}")
     sources, start = [], 0
@@ -209,136 +207,6 @@ def prefixed_key_map(
         elif key.endswith(tuple(ignored_suffixes)):
             out.ignored.add(key)
     return out
-
-
-def match_checkpoint(
-    entries: Sequence, ckpt: Checkpoint, keymap: KeyMap | None, errors, warnings
-) -> None:
-    """Give each loaded tensor plan its checkpoint keys (and sources, if assembled), checked
-    against the headers; `errors.add` the model tensors the checkpoint lacks or cannot give and
-    the checkpoint tensors the model does not use, `warnings.add` the copies of tied tensors
-    left unread. `keymap` None: a tensor's key is its name."""
-    used = set(keymap.ignored) if keymap else set()
-    missing, renamed = [], {}  # renamed: a model name's numbering -> its checkpoint key's
-    for e in entries:
-        if e.origin != "checkpoint":
-            continue
-        found = _assembly(e, ckpt, keymap)
-        if found is not None and found.keys != [e.name] and len(found.keys) == 1:
-            renamed.setdefault(_numbering(e.name)[0], _numbering(found.keys[0])[0])
-        copies = _tied_copies(e, found, ckpt, keymap)
-        if copies:
-            used.update(copies)
-            warnings.add(
-                "tied_copy_unread",
-                e.name,
-                f"{', '.join(copies)}: tied to {e.name} (tie_word_embeddings or the model's own "
-                f"ties), which is read from {', '.join(found.keys)}; the checkpoint's copy is "
-                "not read, as transformers does not use it either",
-            )
-        if found is None:
-            missing.append(e.name)
-            continue
-        used.update(found.keys)
-        if found.error:
-            errors.add("unsupported_conversion", e.name, found.error)
-            continue
-        e.checkpoint_keys, e.sources, e.combine = found.keys, found.sources, found.combine
-        _check_found(e, found, [ckpt.tensors[k] for k in found.keys], errors)
-    for name in missing:
-        errors.add(
-            "missing_tensor",
-            name,
-            f"{name}{_saved_as(name, renamed)} is in the model but not in the checkpoint "
-            f"{ckpt.path}; check that the checkpoint matches config.json (or pass --model)",
-        )
-    for name in sorted(set(ckpt.tensors) - used):
-        errors.add(
-            "unexpected_tensor",
-            name,
-            f"{name} is in the checkpoint ({ckpt.tensors[name].file}) but not in the model; "
-            "check that config.json matches the weights",
-        )
-
-
-def _numbering(name: str) -> tuple[str, list[str]]:
-    """A dotted name with its numbered parts (layer, expert) taken out: the name with `{}`
-    where each was, and the numbers."""
-    parts = name.split(".")
-    numbers = [p for p in parts if p.isdigit()]
-    return ".".join("{}" if p.isdigit() else p for p in parts), numbers
-
-
-def _saved_as(name: str, renamed: Mapping[str, str]) -> str:
-    """`name`'s checkpoint key, where the checkpoint holds tensors like it (another layer's or
-    expert's) under other names than the model's: " (saved as KEY)", else ""."""
-    pattern, numbers = _numbering(name)
-    around = renamed[pattern].split("{}") if pattern in renamed else []
-    if len(around) != len(numbers) + 1:
-        return ""
-    key = "".join(part + number for part, number in zip(around, [*numbers, ""]))
-    return f" (saved as {key})"
-
-
-def _check_found(e, found: Assembly, infos: list, errors) -> None:
-    """The checkpoint tensors a model tensor is read from, against it: one dtype, of the same
-    kind (floating point or not), making its shape."""
-    e.source_dtype = infos[0].dtype
-    differ = _odd_one_out(infos, lambda i: i.dtype)
-    if differ:
-        odd, like = differ
-        errors.add(
-            "mixed_dtypes",
-            e.name,
-            f"{e.name}: {odd.file}: tensor {odd.name!r} is {odd.dtype} where {like.name!r} is "
-            f"{like.dtype}, and the {len(infos)} tensors it is made from must share one dtype; "
-            "save them in one dtype",
-        )
-    if infos[0].torch_dtype.is_floating_point != torch_dtype(e.dtype).is_floating_point:
-        errors.add(
-            "dtype_mismatch",
-            e.name,
-            f"{infos[0].file}: tensor {found.keys[0]!r} is {infos[0].dtype}, but {e.name} is "
-            f"{e.dtype} (floating point and integer values do not convert); check that the "
-            "checkpoint matches the model",
-        )
-    if found.shape != e.global_shape:
-        if len(infos) == 1:
-            held = f"{infos[0].file} holds {list(infos[0].shape)} as {found.keys[0]}"
-            if found.combine:  # saved in another layout (transposed)
-                held += f", which {found.combine} makes {found.shape}"
-        else:
-            held = f"its {len(infos)} checkpoint tensors make {found.shape} ({found.combine})"
-        errors.add(
-            "shape_mismatch",
-            e.name,
-            f"{e.name}: the model expects shape {e.global_shape}, {held}",
-        )
-
-
-def _assembly(e, ckpt: Checkpoint, keymap: KeyMap | None) -> Assembly | None:
-    """How the tensor is read: from the first of its tied names the checkpoint holds."""
-    return next(filter(None, (_assembly_of(n, ckpt, keymap) for n in [e.name, *e.tied_to])), None)
-
-
-def _assembly_of(name: str, ckpt: Checkpoint, keymap: KeyMap | None) -> Assembly | None:
-    if keymap is not None:
-        return keymap.assemblies.get(name)
-    return Assembly([name], list(ckpt.tensors[name].shape)) if name in ckpt.tensors else None
-
-
-def _tied_copies(e, found: Assembly | None, ckpt: Checkpoint, keymap: KeyMap | None) -> list[str]:
-    """The checkpoint keys of the tensor's other tied names, where they hold a whole copy of the
-    tensor read (a checkpoint saved without dropping tied copies): one tensor, same shape."""
-    if found is None or found.error:
-        return []
-    copies = []
-    for name in [e.name, *e.tied_to]:
-        other = _assembly_of(name, ckpt, keymap)
-        if other and other.keys != found.keys and len(other.keys) == 1 and not other.error:
-            if other.shape == found.shape:
-                copies += other.keys
-    return copies
 
 
 @dataclass(frozen=True, slots=True)

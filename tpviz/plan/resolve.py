@@ -21,7 +21,6 @@ from torch import nn
 
 from ..checkpoint import Checkpoint, dtype_name, torch_dtype
 from ..inputs import check_path_argument
-from ..keymap import match_checkpoint
 from ..models import ModelAdapter, adapter_for_module, build_skeleton, get_adapter, read_config
 from ..models.config import check_unquantized, config_dtype, naming_config_file
 from ..strategies import STRATEGIES, forecast
@@ -41,6 +40,7 @@ from .issues import (
     report_unsupported,
     warn_if_mostly_replicated,
 )
+from .match import match_checkpoint
 from .patterns import CompiledPlan, load_plan_patterns
 from .types import ResolvedPlan, TensorPlan
 from .walk import Walk
