@@ -126,6 +126,10 @@ def test_a_checkpoint_too_large_for_memory_or_disk_is_refused_before_anything_is
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "the checkpoint would take" in done.stderr and "choose smaller dimensions" in done.stderr
     assert not (tmp_path / "nested").exists()
+    (tmp_path / "file").touch()
+    done = cli("make-checkpoint", str(tmp_path / "file"))
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0
+    assert "file is a file; give a directory to write the checkpoint into" in done.stderr
 
 
 def test_a_demo_cache_that_is_a_file_or_has_lost_its_weights_is_named(tmp_path, tiny, cli):
@@ -144,4 +148,6 @@ def test_a_world_size_below_one_is_refused_before_the_demo_checkpoint_is_made(tm
     for value in ("0", "-2", "two"):
         done = cli("demo", "--world-size", value, env={"TPVIZ_CACHE": str(tmp_path / "cache")})
         assert done.returncode == 2 and f"must be a positive integer, not '{value}'" in done.stderr
+        # one line, as every refusal: the usage is where --help says, not printed first
+        assert done.stderr.strip().count("\n") == 0 and "(see tpviz demo --help)" in done.stderr
     assert not (tmp_path / "cache").exists()

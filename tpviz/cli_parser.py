@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 from .choices import PRESETS, STRATEGIES, TARGET_DTYPES
 
@@ -83,10 +84,18 @@ def _load_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the one-line errors of every other refusal: the reason and where the
+    usage is, not the usage itself first (ten lines before the line that matters)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="tpviz", description=DESCRIPTION)
+    parser = _Parser(prog="tpviz", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"tpviz {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _make_checkpoint_parser(sub)

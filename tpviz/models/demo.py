@@ -95,6 +95,8 @@ def make_checkpoint(
     `max_shard_size`) that transformers' `LlamaForCausalLM.from_pretrained` loads."""
     config = demo_config(preset, dtype, tie_embeddings, **overrides)  # all checks come first
     out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file; give a directory to write the checkpoint into")
     if any(out.glob("*.safetensors")):
         raise FileExistsError(f"{out} already holds a checkpoint; choose an empty directory")
     skeleton = build_skeleton(BuiltinLlama(), config, torch.float32)
