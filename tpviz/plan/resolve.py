@@ -297,7 +297,8 @@ def _check_world_size_fits(skeleton: nn.Module, world_size: int) -> None:
     if world_size > largest:
         raise ValueError(
             f"world size {world_size} is larger than every dimension of the model's tensors "
-            f"(the largest is {largest}): most ranks would hold nothing; use at most {largest}"
+            f"(the largest is {largest}), so no tensor can be cut over that many ranks; use at "
+            f"most {largest}"
         )
 
 
