@@ -121,6 +121,20 @@ def test_tensor_missing_at_read_time(broken):
 
 
 @pytest.mark.slow
+def test_a_value_float16_cannot_hold_fails_the_cast_naming_the_tensor(broken):
+    source, _ = broken
+    name = "model.layers.1.mlp.down_proj.weight"
+    path = file_of(source, name)
+    tensors = load_file(path)
+    assert tensors[name].dtype == torch.float32
+    tensors[name][0, 0] = 1e6  # float16's largest is 65504: torch casts it to inf, silently
+    save_file(tensors, path, metadata={"format": "pt"})
+    error = expect_failure(source, resolve_plan(source, 2, dtype="float16"), dtype="float16")
+    assert f"{name}: inf after the cast from float32 to float16" in str(error)
+    assert error.module == "model.layers.1.mlp.down_proj" and error.rank == 0
+
+
+@pytest.mark.slow
 def test_rank_failing_in_rank0_broadcast_does_not_leave_peers_waiting(broken):
     source, plan = broken
     path = file_of(source, "model.layers.0.mlp.gate_proj.weight")

@@ -127,6 +127,7 @@ class LoadContext:
         return self.empty(t.ranks[rank].shape, t.dtype, self.comm_device)
 
     def install(self, t: TensorPlan, local: torch.Tensor) -> torch.Tensor:
+        _refuse_overflow(t, local)
         mesh = self.mesh if is_distributed(self.plan, t) else None
         install(self.model, t, local, mesh, self._specs)
         return local  # what the installed parameter holds (the same storage)
@@ -263,6 +264,17 @@ class LoadContext:
                 key,
             )
         return info if list(info.shape) == box else replace(info, shape=tuple(box))
+
+
+def _refuse_overflow(t: TensorPlan, local: torch.Tensor) -> None:
+    """float16 holds magnitudes up to 65504: a larger checkpoint value cast to it becomes inf,
+    silently in torch (and in transformers), and every logit it reaches is lost."""
+    cast = local.dtype == torch.float16 and t.source_dtype not in (None, "float16")
+    if cast and local.numel() and bool(local.isinf().any()):
+        raise ValueError(
+            f"{t.name}: inf after the cast from {t.source_dtype} to float16 (values beyond "
+            "+-65504 overflow it, or were inf already); load in bfloat16 or float32 (--dtype)"
+        )
 
 
 def read_into(
