@@ -353,6 +353,13 @@ def test_a_plan_giving_one_pattern_twice(ck, capsys):
     path = ck.parent / "plan.json"
     path.write_text('{"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.up_proj": "rowwise"}')
     assert "gives key 'layers.*.mlp.up_proj' twice" in refused(capsys, "plan", ck, "--plan", path)
+    # the same pattern in both parts of transformers' form: one style, or which one is meant?
+    up = "layers.*.mlp.up_proj"
+    path.write_text(json.dumps({"base_model_tp_plan": {up: "rowwise"}, "tp_plan": {up: "colwise"}}))
+    err = refused(capsys, "plan", ck, "--plan", path)
+    assert f"'{up}' is 'rowwise' in base_model_tp_plan but 'colwise' in tp_plan" in err
+    path.write_text(json.dumps({"base_model_tp_plan": {up: "colwise"}, "tp_plan": {up: "colwise"}}))
+    assert main(["plan", str(ck), "--plan", str(path)]) == 0
 
 
 @pytest.mark.parametrize("timeout", ["nan", "inf", "0", "-1"])

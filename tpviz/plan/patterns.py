@@ -99,6 +99,12 @@ def load_plan_patterns(plan: Mapping[str, str] | str | os.PathLike | None) -> di
                 f'{{"tp_plan": {{...}}, "base_model_tp_plan": {{...}}}}), got '
                 f"{type(part).__name__} {_short(part)}"
             )
+        clash = next((k for k, v in part.items() if merged.get(k, v) != v), None)
+        if clash is not None:  # the same key in tp_plan and base_model_tp_plan
+            raise ValueError(
+                f"{where}: {clash!r} is {merged[clash]!r} in base_model_tp_plan but "
+                f"{part[clash]!r} in tp_plan; give it one style"
+            )
         merged.update(part)
     return merged
 
