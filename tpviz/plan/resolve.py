@@ -172,11 +172,10 @@ def read_source(
     config = read_config(source)
     with naming_config_file(source):
         adapter = get_adapter(config, model, source)
-    ckpt = Checkpoint.open(weights) if weights is not None else None
-    if ckpt is not None and ckpt.has_weights:
-        check_unquantized(config, ckpt.path)
-    target = _target_dtype(dtype, config, ckpt)
-    with naming_config_file(source):
+        ckpt = Checkpoint.open(weights) if weights is not None else None
+        if ckpt is not None and ckpt.has_weights:
+            check_unquantized(config, ckpt.path)
+        target = _target_dtype(dtype, config, ckpt)
         skeleton = build_skeleton(adapter, config, target)
     return SourceModel(skeleton, adapter, config, ckpt, str(Path(source).resolve()), target)
 
