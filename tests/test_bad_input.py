@@ -429,6 +429,21 @@ def test_model_safetensors_is_read_before_an_index_beside_it_as_transformers_doe
     ) in out
 
 
+def test_a_base_models_checkpoint_is_told_apart_from_the_causal_lm_built(ck, capsys):
+    """A checkpoint saved from the base model (no LM head) for a causal LM: the missing head is
+    named with the class config.json names and the class tpviz builds."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    weights = load_file(ck / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, ck / "model.safetensors")
+    _config(ck, architectures=["LlamaModel"])
+    err = refused(capsys, "plan", ck)
+    assert "lm_head.weight is in the model but not in the checkpoint" in err
+    assert "config.json names LlamaModel, and tpviz builds LlamaForCausalLM" in err
+
+
 def _pickle_only(ck: Path) -> None:
     (ck / "model.safetensors").unlink()
     (ck / "pytorch_model.bin").write_bytes(b"a pickle")

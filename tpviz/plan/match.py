@@ -11,12 +11,17 @@ from ..keymap import Assembly, KeyMap, odd_one_out
 
 
 def match_checkpoint(
-    entries: Sequence, ckpt: Checkpoint, keymap: KeyMap | None, errors, warnings
+    entries: Sequence,
+    ckpt: Checkpoint,
+    keymap: KeyMap | None,
+    errors,
+    warnings,
+    advice: str,
 ) -> None:
     """Give each loaded tensor plan its checkpoint keys (and sources, if assembled), checked
-    against the headers; `errors.add` the model tensors the checkpoint lacks or cannot give and
-    the checkpoint tensors the model does not use, `warnings.add` the copies of tied tensors
-    left unread. `keymap` None: a tensor's key is its name."""
+    against the headers; `errors.add` the model tensors the checkpoint lacks (with `advice`)
+    or cannot give and the checkpoint tensors the model does not use, `warnings.add` the
+    copies of tied tensors left unread. `keymap` None: a tensor's key is its name."""
     used = set(keymap.ignored) if keymap else set()
     missing, renamed = [], {}  # renamed: a model name's numbering -> its checkpoint key's
     for e in entries:
@@ -58,7 +63,7 @@ def match_checkpoint(
             "missing_tensor",
             name,
             f"{name}{_saved_as(name, renamed)} is in the model but not in the checkpoint "
-            f"{ckpt.path}; check that the checkpoint matches config.json (or pass --model)",
+            f"{ckpt.path}; {advice}",
         )
     for name in sorted(set(ckpt.tensors) - used):
         errors.add(

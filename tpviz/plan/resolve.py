@@ -336,7 +336,22 @@ def _check_checkpoint(found: SourceModel, entries: list[TensorPlan], issues: Pla
     if ckpt.has_weights:
         shapes = {k: info.shape for k, info in ckpt.tensors.items()}
         keymap = found.adapter.checkpoint_map(found.skeleton, shapes)
-        match_checkpoint(entries, ckpt, keymap, issues.errors, issues.warnings)
+        advice = _advice_on_missing(found)
+        match_checkpoint(entries, ckpt, keymap, issues.errors, issues.warnings, advice)
+
+
+def _advice_on_missing(found: SourceModel) -> str:
+    """What to do about tensors the checkpoint lacks: where config.json names another class
+    than the one built, say so (a base model's checkpoint lacks the LM head a causal LM
+    reads)."""
+    named = found.config.get("architectures")
+    built = type(found.skeleton).__name__
+    if not isinstance(named, list) or not named or built in named:
+        return "check that the checkpoint matches config.json (or pass --model)"
+    return (
+        f"config.json names {', '.join(map(str, named))}, and tpviz builds {built} (a model "
+        f"that makes logits): use a checkpoint saved from {built} (or pass --model)"
+    )
 
 
 def _plan(
