@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import threading
 import time
@@ -548,6 +549,45 @@ def test_a_follower_says_where_each_rank_was_once_their_files_stop_growing(tmp_p
     with pytest.raises(tpviz.LoadError, match="the rank's own last words"):
         follower.wait(30)
     assert "no rank has written" not in follower.status.value
+
+
+@pytest.mark.parametrize(
+    "content, reason",
+    [
+        ('{"v":1,"type":"done","rank":0}', "done event: t is missing, not float"),
+        ("[1, 2, 3]", "an event is a JSON object, not list"),
+        ('{"v":1,"type":"unit_start","rank":0,"t":1,"module":"a","bytes":8,"index":0,'
+         '"total":-1}', "unit_start event: total is -1, below 0 or not finite"),
+        ('{"v":1,"type":"memory","rank":0,"t":1,"rss":"a lot","rss_anon":null,'
+         '"tensor_bytes":0}', 'memory event: rss is "a lot", not int'),
+        ('{"v":2,"type":"phase","rank":0,"t":1,"name":"x"}', "event format version 2"),
+        ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),
+        (b'{"v":1,"type":"phase","rank":0,"t":1,"name":"\xff"}', "not UTF-8 text (byte 45)"),
+    ],
+    ids=["missing", "list", "negative", "kind", "version", "deep", "utf8"],
+)  # fmt: skip
+def test_a_follower_of_lines_that_are_not_events_fails_naming_file_and_line(
+    tmp_path, content, reason
+):
+    """Files written by something else (or by hand) end the follower's wait with the file and
+    line; its thread died and wait() waited forever before."""
+    _write_events(tmp_path, [Phase(0, 1.0, name="loading")])
+    raw = content if isinstance(content, bytes) else content.encode()
+    with open(events_file(tmp_path, 0), "ab") as f:
+        f.write(raw + b"\n")
+    follower = tpviz.LoadMonitor.from_events_dir(tmp_path, poll_seconds=0.02)
+    with pytest.raises(tpviz.LoadError) as error:
+        follower.wait(30)
+    assert f"cannot read events: {events_file(tmp_path, 0)} line 2: {reason}" in str(error.value)
+
+
+def test_a_follower_refuses_what_is_not_an_events_dir_or_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="file: an events dir must be a directory"):
+        tpviz.LoadMonitor.from_events_dir(tmp_path / "file")
+    os.mkfifo(events_file(tmp_path, 0))  # its open would block the follower for good
+    with pytest.raises(tpviz.LoadError, match="rank0.jsonl: an events file must be a regular"):
+        tpviz.LoadMonitor.from_events_dir(tmp_path, poll_seconds=0.02).wait(30)
 
 
 def test_files_the_launcher_ends_read_as_failed_even_where_a_rank_was_cut_off(tmp_path):

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import stat
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar
@@ -123,14 +125,39 @@ EVENT_TYPES: dict[str, type[Event]] = {
 }
 
 
-def from_dict(data: dict[str, Any]) -> Event:
+def from_dict(data: Any) -> Event:
+    """The event a JSON object describes; ValueError, saying why, for anything else (a file
+    written by something other than tpviz must not break its followers)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"an event is a JSON object, not {type(data).__name__}")
     cls = EVENT_TYPES.get(data.get("type", ""))
     if cls is None:
         raise ValueError(f"unknown event type {data.get('type')!r}")
     if data.get("v") != VERSION:
         raise ValueError(f"event format version {data.get('v')!r}; this tpviz reads {VERSION}")
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in names})
+    for f in fields(cls):
+        if f.name in data or f.default is MISSING and f.default_factory is MISSING:
+            _check_field(cls.type, f.name, str(f.type), data.get(f.name, MISSING))
+    return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+# a field's annotation -> the JSON values it takes (bool is not a number here)
+_KINDS = {"int": (int,), "float": (int, float), "str": (str,), "dict[str, Any]": (dict,)}
+
+
+def _check_field(kind: str, name: str, annotation: str, value: Any) -> None:
+    """One field of a `kind` event: present, of its annotated kind, and a count, size or time
+    not below zero (a rank number not below LAUNCHER_RANK)."""
+    optional = annotation.endswith(" | None")
+    allowed = _KINDS[annotation.removesuffix(" | None")]
+    if value is None and optional:
+        return
+    if value is MISSING or isinstance(value, bool) or not isinstance(value, allowed):
+        shown = "missing" if value is MISSING else json.dumps(value)[:40]
+        raise ValueError(f"{kind} event: {name} is {shown}, not {annotation}")
+    low = LAUNCHER_RANK if name == "rank" else 0
+    if isinstance(value, (int, float)) and not low <= value < math.inf:
+        raise ValueError(f"{kind} event: {name} is {value}, below {low} or not finite")
 
 
 def encode(event: Event) -> str:
@@ -164,50 +191,77 @@ def remove_rank_files(directory: str | os.PathLike, beyond: int = 0) -> None:
 
 class JsonlTail:
     """Follows the `rank*.jsonl` files of an events dir, returning complete new lines. A file
-    replaced by a new load's (another inode, or a shorter file) is read again from its start."""
+    replaced by a new load's (another inode, or a shorter file) is read again from its start.
+    A file that is not a regular file, or a whole line that is not a tpviz event, raises a
+    ValueError naming the file (and line)."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
         self._read: dict[Path, tuple[int, int]] = {}  # path -> (inode, offset)
-        self._partial: dict[Path, str] = {}
+        self._partial: dict[Path, bytes] = {}  # a line still being written
+        self._lines: dict[Path, int] = {}  # whole lines read
 
     def read_new(self) -> list[Event]:
         out: list[Event] = []
         for path in rank_files(self.directory).values():
-            try:
-                f = open(path, encoding="utf-8")  # noqa: SIM115 - closed below
-            except FileNotFoundError:  # removed by a new load since it was listed
+            chunk = self._new_bytes(path)
+            if chunk is None:
                 continue
-            with f:
-                stat = os.fstat(f.fileno())
-                inode = stat.st_ino
-                known, offset = self._read.get(path, (inode, 0))
-                if known != inode or offset > stat.st_size:  # a new file, or one begun again
-                    offset = 0
-                    self._partial.pop(path, None)
-                f.seek(offset)
-                chunk = f.read()
-                self._read[path] = (inode, f.tell())
-            text = self._partial.pop(path, "") + chunk
-            lines = text.split("\n")
-            if lines[-1]:
-                self._partial[path] = lines[-1]  # a line still being written
-            out.extend(_whole_events(lines[:-1]))
+            *whole, rest = (self._partial.pop(path, b"") + chunk).split(b"\n")
+            if rest:
+                self._partial[path] = rest
+            first = self._lines.get(path, 0)
+            self._lines[path] = first + len(whole)
+            lines = [_text(line, path, first + i + 1) for i, line in enumerate(whole)]
+            out.extend(_whole_events(lines, path, first))
         out.sort(key=lambda e: e.t)
         return out
 
+    def _new_bytes(self, path: Path) -> bytes | None:
+        """What `path` holds past what was read (None: removed since it was listed)."""
+        try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open
+                raise ValueError(f"{path}: an events file must be a regular file")
+            f = open(path, "rb")  # noqa: SIM115 - closed below
+        except FileNotFoundError:  # removed by a new load since it was listed
+            return None
+        with f:
+            info = os.fstat(f.fileno())
+            known, offset = self._read.get(path, (info.st_ino, 0))
+            if known != info.st_ino or offset > info.st_size:  # a new file, or one begun again
+                offset = 0
+                self._partial.pop(path, None)
+                self._lines.pop(path, None)
+            f.seek(offset)
+            chunk = f.read()
+            self._read[path] = (info.st_ino, f.tell())
+        return chunk
 
-def _whole_events(lines: list[str]) -> Iterator[Event]:
-    """The events of whole lines; a line that is not JSON was cut off by a rank that was
-    killed as it wrote it, and ended by the launcher (`end_rank_files`): it is skipped."""
-    for line in lines:
+
+def _text(line: bytes, path: Path, number: int) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} line {number}: not UTF-8 text (byte {e.start})") from None
+
+
+def _whole_events(lines: list[str], path: Path | None = None, first: int = 0) -> Iterator[Event]:
+    """The events of whole lines (of `path`, from line `first` + 1); a line that is not JSON
+    was cut off by a rank that was killed as it wrote it, and ended by the launcher
+    (`end_rank_files`): it is skipped. JSON that is not an event raises, naming the line."""
+    for number, line in enumerate(lines, start=first + 1):
         if not line.strip():
             continue
         try:
             data = json.loads(line)
         except ValueError:
             continue
-        yield from_dict(data)
+        except RecursionError:
+            raise ValueError(f"{path} line {number}: JSON nested too deeply") from None
+        try:
+            yield from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{path} line {number}: {e}") from None
 
 
 def read_events_dir(directory: str | os.PathLike) -> list[Event]:

@@ -80,6 +80,7 @@ class LoadMonitor(widgets.VBox):
         self._pending: list[Event] = []
         self._lock = threading.Lock()
         self._finished = threading.Event()
+        self._unreadable = ""  # why the followed events dir cannot be read
         self._stop = threading.Event()
         self._finish_callbacks: list[Callable[[LoadMonitor], None]] = []
         self._unsubscribe: Callable[[], None] | None = None
@@ -121,6 +122,8 @@ class LoadMonitor(widgets.VBox):
         killed writes nothing more: when no file has grown for `silence_seconds` (a loading
         rank writes its memory many times a second), the status says where each rank was,
         and following goes on."""
+        if os.path.exists(path) and not os.path.isdir(path):  # a job makes it if absent
+            raise ValueError(f"{path}: an events dir must be a directory (torchrun's events_dir)")
         monitor = cls(None, plan=plan, label=label, **kwargs)
         tail = JsonlTail(path)
 
@@ -129,8 +132,9 @@ class LoadMonitor(widgets.VBox):
             while not (monitor._finished.is_set() or monitor._stop.is_set()):
                 try:
                     events = tail.read_new()
-                except (OSError, ValueError) as e:
-                    monitor.status.value = f"cannot read events from {escape(str(path))}: {e}"
+                except (OSError, ValueError) as e:  # the load's end, as the monitor can see it
+                    monitor._unreadable = f"cannot read events: {e}"
+                    monitor._throttle.request()
                     return
                 now = time.monotonic()
                 if events:
@@ -242,7 +246,7 @@ class LoadMonitor(widgets.VBox):
         if self.job is not None:
             return self.job.state
         ranks = self.tracker.ranks.values()
-        if any(r.error for r in ranks):
+        if self._unreadable or any(r.error for r in ranks):
             return JobState.FAILED
         if self.tracker.results() is not None:
             return JobState.LOADED
@@ -251,7 +255,7 @@ class LoadMonitor(widgets.VBox):
     def _error(self) -> str:
         if self.job is not None and self.job.error is not None:
             return str(self.job.error)
-        return self.tracker.first_error()
+        return self._unreadable or self.tracker.first_error()
 
     def _draw_progress(self) -> None:
         failed = self._state() in (JobState.FAILED, JobState.CANCELLED)
