@@ -25,7 +25,7 @@ from tpviz.events import LAUNCHER_RANK, Error, Phase, UnitStart, read_events_dir
 from tpviz.plan import resolve_plan
 from tpviz.rankserver import start_server
 
-from .conftest import REPO
+from .conftest import REPO, run_cli
 
 PROMPT = 30  # seconds: the generous liveness bound for "promptly"
 
@@ -441,20 +441,36 @@ def test_cancel_during_a_reload_and_a_rank_dying_between_loads(tiny):
     job.shutdown()
 
 
+SWAPPED = {"layers.*.self_attn.q_proj": "rowwise", "layers.*.self_attn.o_proj": "colwise"}
+# the default plan with o_proj colwise: DTensor's sharding propagation fails on fake tensors,
+# which torch logs with a traceback of its own before raising
+O_PROJ_COLWISE = {
+    **{f"layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{f"layers.*.mlp.{p}": "colwise" for p in ("gate_proj", "up_proj")},
+    "layers.*.mlp.down_proj": "rowwise",
+    "embed_tokens": "embedding_rowwise",
+    "lm_head": "colwise_gather_output",
+}
+
+
 @pytest.mark.slow
-def test_a_failed_verify_says_why_in_one_line_without_a_traceback(tiny, tmp_path, cli):
+@pytest.mark.parametrize(
+    "patterns, where", [(SWAPPED, "q_proj"), (O_PROJ_COLWISE, "o_proj")], ids=["swapped", "o_proj"]
+)
+def test_a_failed_verify_says_why_in_one_line_without_a_traceback(tiny, tmp_path, patterns, where):
     """A plan whose forward cannot run (attention's projections cut the wrong way round)
-    loads as planned, then its verify fails: exit 1, one line on stderr, an error in the JSON."""
-    plan = tmp_path / "swapped.json"
-    plan.write_text(
-        json.dumps({"layers.*.self_attn.q_proj": "rowwise", "layers.*.self_attn.o_proj": "colwise"})
+    loads as planned, then its verify fails: exit 1, one line on stderr, an error in the JSON.
+    In a fresh process: the ranks' own stderr is the CLI's."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(patterns))
+    done = run_cli(
+        "load", str(tiny), "--world-size", "2", "--plan", str(plan), "--verify", "--json"
     )
-    done = cli("load", str(tiny), "--world-size", "2", "--plan", str(plan), "--verify", "--json")
     assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr
     (line,) = done.stderr.splitlines()
-    # named where the styles break: the rowwise q_proj given the whole hidden state
+    # named where the styles break (the rowwise q_proj given the whole hidden state)
     failed = "tpviz load: verify failed: LoadError: rank 0: forward failed in "
-    assert line.startswith(failed + "model.layers.0.self_attn.q_proj: RuntimeError: ")
+    assert line.startswith(failed + f"model.layers.0.self_attn.{where}: RuntimeError: ")
     assert line.endswith("`tpviz plan --suggest` finds one that runs)")  # what to do
     result = json.loads(done.stdout)
     assert result["plan_matches_shards"] and result["verify"]["ok"] is False

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib
+import logging
 import os
 import time
 import traceback
@@ -65,6 +66,9 @@ def run_rank(rank: int, spec: WorkerSpec, channel: Channel) -> None:
     )
     torch.set_num_threads(spec.threads)
     fix_mmap_threshold()
+    # torch logs some failures with their traceback before it raises them (fake tensors, in
+    # DTensor's sharding propagation); the rank reports what it raises, in one line
+    logging.getLogger("torch").setLevel(logging.CRITICAL)
     sink = EventSink(rank, channel.send, spec.events_dir)
     try:
         sink.emit(Phase(rank, time.time(), name=RankPhase.STARTING))
