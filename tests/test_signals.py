@@ -188,6 +188,31 @@ def test_a_transformers_model_leaves_no_torch_cache_dir_in_tmpdir(tiny, tmp_path
 
 
 @pytest.mark.slow
+def test_a_python_launch_of_a_transformers_model_leaves_nothing_in_tmpdir(tiny, tmp_path):
+    """The same from Python: launch() resolves the transformers model in the caller's process
+    (importing torch._dynamo), and its forward runs DTensor on the ranks."""
+    script = tmp_path / "load.py"
+    script.write_text(
+        "import sys, tpviz\n"
+        "if __name__ == '__main__':\n"
+        "    with tpviz.launch(sys.argv[1], 2, model='hf', verify=True) as job:\n"
+        "        assert job.wait(120)['verify']['ok']\n"
+    )
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tiny)],
+        capture_output=True,
+        text=True,
+        timeout=BOUND * 2,
+        env={**env, "TMPDIR": str(tmpdir), "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert not list(tmpdir.iterdir())
+
+
+@pytest.mark.slow
 def test_a_command_failing_before_its_ranks_start_leaves_no_server_and_nothing(tiny, tmp_path):
     """The rank server (started as the CLI starts, importing transformers for this model) is
     ended with the CLI: still importing, it would outlive it and make its torch cache dir

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import sys
 import threading
@@ -64,10 +63,10 @@ def _stop_signals_interrupt() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _keep_torch_cache_out_of_tmpdir()
-    if args.command in ("load", "compare", "demo"):
-        from .rankserver import rank_imports, start_server
+    from .rankserver import keep_torch_cache_out_of_tmpdir, rank_imports, start_server
 
+    keep_torch_cache_out_of_tmpdir()
+    if args.command in ("load", "compare", "demo"):
         # its imports (torch; transformers for its models) overlap this process's own work
         start_server(rank_imports(getattr(args, "source", None), getattr(args, "model", None)))
     try:
@@ -83,18 +82,6 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"errors": _error_list(e)}))
         print(f"tpviz {args.command}: {first_line(e)}", file=sys.stderr)
         return code
-
-
-def _keep_torch_cache_out_of_tmpdir() -> None:
-    """torch._dynamo (imported by transformers' model classes, and by a first forward) makes
-    its cache dir in $TMPDIR as it is imported, and nothing removes it: this process's goes into
-    multiprocessing's temp dir instead, which is removed at exit (the forkserver's goes there
-    too, rankserver.start_server)."""
-    from .rankserver import private_temp_dir
-
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR", os.path.join(private_temp_dir(), "torchinductor")
-    )
 
 
 def _error_list(e: Exception) -> list[dict[str, str]]:

@@ -26,7 +26,7 @@ from .events import remove_rank_files
 from .job import HEARTBEAT_TIMEOUT, LoadJob
 from .outputs import check_output_dir
 from .plan import ResolvedPlan, forecast, resolve_plan
-from .rankserver import rank_imports, start_server
+from .rankserver import keep_torch_cache_out_of_tmpdir, rank_imports, start_server
 from .results import LoadResult, add_ratios
 from .runtime.options import LoadOptions, check_strategy
 from .strategies import STRATEGIES
@@ -175,6 +175,7 @@ def launch(
     _check_main_importable()
     request = dict(locals())
     # the server's imports (torch; transformers for its models) overlap resolving the plan
+    keep_torch_cache_out_of_tmpdir()  # resolving a transformers model imports torch._dynamo
     start_server(rank_imports(source, model))
     return _start(request, warm=None)
 

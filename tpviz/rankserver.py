@@ -137,6 +137,16 @@ def private_temp_dir() -> str:
     return path
 
 
+def keep_torch_cache_out_of_tmpdir() -> None:
+    """torch._dynamo (imported by transformers' model classes, and by a first forward through
+    DTensor) makes its cache dir in $TMPDIR as it is imported, and nothing removes it: this
+    process's goes into its private temp dir instead, removed at exit (the forkserver's goes
+    there too, see start_server), unless the caller chose a cache dir."""
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(private_temp_dir(), "torchinductor")
+    )
+
+
 def stop_server() -> None:
     """End the forkserver now, even a stopped or stuck one (SIGKILL), so that a rank start
     waiting on it returns; the next `start_server` starts a fresh one. The server's pid and

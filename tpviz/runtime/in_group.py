@@ -19,6 +19,7 @@ from ..outputs import OutputPathError, check_output_dir
 from ..plan import ResolvedPlan, resolve_plan
 from ..plan.patterns import load_plan_patterns
 from ..plan.resolve import SourceModel, read_source, resolve_and_keep
+from ..rankserver import keep_torch_cache_out_of_tmpdir
 from .loader import ShardedModel, failure_event, init_group, load_in_group, rank_device
 from .options import LoadOptions
 from .sink import EventSink
@@ -49,6 +50,7 @@ def load_sharded(
     weights). With `events_dir`, each rank writes its events to `rank{r}.jsonl` there.
     `kv_replication` and `experts` choose as in `resolve_plan`.
     """
+    keep_torch_cache_out_of_tmpdir()  # before a transformers model or a forward imports dynamo
     local = rank_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not dist.is_initialized():
         init_group(local)
