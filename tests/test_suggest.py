@@ -223,6 +223,19 @@ def test_cli_refuses_check_alone_and_suggest_with_a_plan(checkpoint, tmp_path, c
     (tmp_path / "p.json").write_text("{}")
     assert cli.main(["plan", source, "--suggest", "--plan", str(tmp_path / "p.json")]) == 2
     assert "drop --plan" in capsys.readouterr().err
+    assert cli.main(["plan", source, "--suggest", "--experts", "ep"]) == 2
+    assert "--suggest chooses the experts' layout itself" in capsys.readouterr().err
+
+
+def test_a_suggestion_without_key_value_replication_needs_none(checkpoint):
+    """At 8 ranks over 4 key-value heads, cutting attention by head needs replication: asked
+    not to replicate, the suggestion keeps attention's heads whole (it replicated them before,
+    a plan the same flag then refused)."""
+    source = checkpoint("llama")
+    s = tpviz.suggest_plan(source, 8, kv_replication=False)
+    assert not s.resolved.errors and not s.resolved.kv_replication
+    assert not tpviz.resolve_plan(source, 8, s.plan, kv_replication=False).errors
+    assert s.plan["model.layers.*.mlp.gate_proj"] == "colwise"  # the rest is still cut
 
 
 def test_dashboard_suggest_button_fills_the_editor(checkpoint, tmp_path):

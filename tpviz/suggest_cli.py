@@ -25,7 +25,18 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         raise ValueError("--suggest proposes its own plan: drop --plan (or drop --suggest)")
     if args.simulate:
         raise ValueError("--suggest proves its plan on simulated ranks already: drop --simulate")
-    suggestion = suggest_plan(args.source, args.world_size, model=args.model, dtype=args.dtype)
+    if args.experts != "tp":
+        raise ValueError(
+            "--suggest chooses the experts' layout itself (whole experts per rank where that "
+            "proves): drop --experts"
+        )
+    suggestion = suggest_plan(
+        args.source,
+        args.world_size,
+        model=args.model,
+        dtype=args.dtype,
+        kv_replication=not args.no_kv_replication,
+    )
     plan = suggestion.resolved
     if plan.errors:
         raise ValueError(f"the suggested plan does not resolve: {plan.errors[0].message}")

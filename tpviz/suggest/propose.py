@@ -105,20 +105,25 @@ def suggest_plan(
     world_size: int,
     model: str | None = None,
     dtype: str | None = None,
+    kv_replication: bool = True,
 ) -> Suggestion:
-    """Suggest a TP plan for the model at `source` (a checkpoint or config.json directory)."""
+    """Suggest a TP plan for the model at `source` (a checkpoint or config.json directory).
+    `kv_replication=False`: only plans that need no key-value head replicated (as
+    `resolve_plan`'s)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    choices: dict[str, Any] = dict(dtype=dtype, model=model, kv_replication=kv_replication)
     proof = Proof.of(
         source,
         world_size,
         model,
-        lambda patterns: resolve_plan(source, world_size, patterns, dtype=dtype, model=model),
+        lambda patterns: resolve_plan(source, world_size, patterns, **choices),
+        kv_replication=kv_replication,
     )
     instance = proof.instance
 
     def ep_keys() -> dict[str, str]:  # the keys that give each rank whole experts
-        ep = resolve_plan(source, world_size, {}, dtype=dtype, model=model, experts="ep")
+        ep = resolve_plan(source, world_size, {}, experts="ep", **choices)
         return dict(ep.patterns)
 
     kept, decisions, diff = _experts_first(proof, ep_keys)
