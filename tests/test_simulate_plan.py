@@ -100,8 +100,14 @@ def test_cli_simulate_exits_by_the_verdict(checkpoint, tmp_path, capsys):
     bad.write_text(json.dumps(UNCOMPOSED))
     assert cli.main(["plan", source, "--plan", str(bad), "--simulate", "--json"]) == 1
     out, err = capsys.readouterr()
-    assert json.loads(out)["world_size"] == 2  # stdout is the plan JSON, as without it
+    data = json.loads(out)
+    assert data["world_size"] == 2  # stdout is the plan JSON, as without it
     assert "FAILED" in err and "self_attn.o_proj" in err and "Traceback" not in err
+    # with the verdict, as --json promises on failure: its errors, and the simulation itself
+    assert [e["code"] for e in data["errors"]] == ["SimulationFailed"]
+    assert data["simulation"]["ok"] is False and "o_proj" in data["simulation"]["reason"]
+    assert cli.main(["plan", source, "--simulate", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["simulation"]["ok"] is True
     assert cli.main(["plan", source, "--world-size", "3", "--simulate"]) == 2  # plan errors
     assert "simulated" not in capsys.readouterr().err
     assert cli.main(["plan", source, "--suggest", "--simulate"]) == 2

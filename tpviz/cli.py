@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from .cli_parser import STRATEGIES, build_parser
@@ -165,16 +166,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.check:
         raise ValueError("--check proves a suggested plan: use it with --suggest")
     plan = _resolve(args)
-    _emit(args, plan.to_dict(), plan_table(plan, full=args.full))
+    data = plan.to_dict()
+    simulation = None
+    if args.simulate and not plan.errors:
+        from .suggest import simulate_plan
+
+        simulation = simulate_plan(plan)
+        # in the JSON as the load JSON's verify is, and its failure among the errors
+        data["simulation"] = asdict(simulation)
+        if not simulation.ok:
+            failed = {"code": "SimulationFailed", "name": None, "message": simulation.line()}
+            data["errors"].append(failed)
+    _emit(args, data, plan_table(plan, full=args.full))
     if plan.errors:
         # stdout keeps every error (table or JSON); stderr gets the contract's one line
         print(f"tpviz plan: {first_line(PlanError(plan.errors))}", file=sys.stderr)
         return INVALID_INPUT
-    if not args.simulate:
+    if simulation is None:
         return 0
-    from .suggest import simulate_plan
-
-    simulation = simulate_plan(plan)
     print(simulation.line(), file=sys.stderr)
     return 0 if simulation.ok else FAILURE
 
