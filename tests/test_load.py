@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -175,6 +176,15 @@ def test_a_failed_call_is_one_line_with_the_traceback_beside_it_and_the_job_live
     with pytest.raises(tpviz.LoadError, match="its result cannot be sent back: .*pickle"):
         job2.call(returns_what_cannot_be_sent)
     assert job2.state == "loaded" and len(job2.call(shard_fingerprint, "model.norm.weight")) == 2
+    # what the ranks could not import by name is said before anything is sent
+    for fn, words in [
+        (lambda model: 1, ".<locals>.<lambda> cannot reach the ranks, which import a function"),
+        ("tests.test_load", "'tests.test_load' is not an import path 'pkg.mod:fn'"),
+        (123, "call: fn must be a function or 'pkg.mod:fn', not 123"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=re.escape(words)):
+            job2.call(fn)
+    assert job2.state == "loaded"
 
 
 def test_events_cover_phases_units_and_memory(job2):

@@ -13,6 +13,23 @@ from .messages import Command, CommandName, Reply
 from .processes import Ranks
 
 
+def check_callable(fn: Any) -> None:
+    """What `job.call` can send: a function the ranks import by name (as pickle sends one),
+    or its import path `"pkg.mod:fn"`; anything else is said before it is sent."""
+    if isinstance(fn, str):
+        module, colon, name = fn.partition(":")
+        if not (module and colon and name):
+            raise ValueError(f"call: {fn!r} is not an import path 'pkg.mod:fn'")
+        return
+    if not callable(fn):
+        raise TypeError(f"call: fn must be a function or 'pkg.mod:fn', not {fn!r}")
+    if "<" in getattr(fn, "__qualname__", ""):  # <lambda>, or <locals> of another function
+        raise ValueError(
+            f"call: {fn.__qualname__} cannot reach the ranks, which import a function by its "
+            "name: define it at the top level of an importable module, or pass 'pkg.mod:fn'"
+        )
+
+
 def first_failed(replies: dict[int, Reply]) -> int | None:
     """The lowest rank whose reply says its command failed, if any."""
     return next((rank for rank in sorted(replies) if not replies[rank].ok), None)

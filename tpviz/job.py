@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .commands import CommandChannel, first_failed
+from .commands import CommandChannel, check_callable, first_failed
 from .errors import LoadError
 from .eventlog import EventLog
 from .events import LAUNCHER_RANK, Done, Error, Event, JobState, Phase, end_rank_files
@@ -332,6 +332,7 @@ class LoadJob:
     def call(self, fn: Callable | str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `fn(model, *args, **kwargs)` on every rank; `fn` is importable (or `"pkg.mod:fn"`).
         Returns the results, one per rank."""
+        check_callable(fn)
         return self._command(CommandName.CALL, fn, args, kwargs)
 
     def verify(self) -> dict[str, Any]:
