@@ -671,3 +671,11 @@ def test_quantized_weights_are_refused_by_name_not_as_unexpected_tensors(ck, cap
     # a config alone holds no quantized weights: a random init plans as before
     (ck / "model.safetensors").unlink()
     assert main(["plan", str(ck), "--world-size", "2"]) == 0
+
+
+def test_load_sharded_outside_a_process_group_says_how_to_run_it(ck, monkeypatch):
+    import tpviz
+
+    monkeypatch.delenv("RANK", raising=False)  # torch's error named only this variable
+    with pytest.raises(ValueError, match=r"run the script under torchrun \(torchrun --nproc"):
+        tpviz.load_sharded(ck)

@@ -53,6 +53,12 @@ def load_sharded(
     keep_torch_cache_out_of_tmpdir()  # before a transformers model or a forward imports dynamo
     local = rank_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not dist.is_initialized():
+        if "RANK" not in os.environ:  # torch's own error names only the variable
+            raise ValueError(
+                "load_sharded loads inside a process group: run the script under torchrun "
+                "(torchrun --nproc-per-node N script.py), or init one first; tpviz.launch "
+                "starts ranks of its own"
+            )
         init_group(local)
     choices = dict(dtype=dtype, model=model, kv_replication=kv_replication, experts=experts)
     options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
