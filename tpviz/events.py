@@ -136,7 +136,8 @@ def from_dict(data: Any) -> Event:
     if data.get("v") != VERSION:
         raise ValueError(f"event format version {data.get('v')!r}; this tpviz reads {VERSION}")
     for f in fields(cls):
-        if f.name in data or f.default is MISSING and f.default_factory is MISSING:
+        required = f.default is MISSING and f.default_factory is MISSING
+        if f.name in data or required:
             _check_field(cls.type, f.name, str(f.type), data.get(f.name, MISSING))
     return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
