@@ -30,25 +30,7 @@ def match_checkpoint(
         found = _assembly(e, ckpt, keymap)
         if found is not None and found.keys != [e.name] and len(found.keys) == 1:
             renamed.setdefault(_numbering(e.name)[0], _numbering(found.keys[0])[0])
-        copies, unlike = _tied_copies(e, found, ckpt, keymap)
-        used.update(copies + unlike)
-        for key in unlike:
-            errors.add(
-                "shape_mismatch",
-                e.name,
-                f"{key} ({ckpt.tensors[key].file}) is {list(ckpt.tensors[key].shape)}, but it "
-                f"is tied to {e.name}, which is read from {', '.join(found.keys)} as "
-                f"{found.shape}; check that config.json's ties (tie_word_embeddings) match "
-                "the checkpoint",
-            )
-        if copies:
-            warnings.add(
-                "tied_copy_unread",
-                e.name,
-                f"{', '.join(copies)}: tied to {e.name} (tie_word_embeddings or the model's own "
-                f"ties), which is read from {', '.join(found.keys)}; the checkpoint's copy is "
-                "not read, as transformers does not use it either",
-            )
+        used.update(_tied_copies_said(e, found, ckpt, keymap, errors, warnings))
         if found is None:
             missing.append(e.name)
             continue
@@ -138,6 +120,31 @@ def _assembly_of(name: str, ckpt: Checkpoint, keymap: KeyMap | None) -> Assembly
     if keymap is not None:
         return keymap.assemblies.get(name)
     return Assembly([name], list(ckpt.tensors[name].shape)) if name in ckpt.tensors else None
+
+
+def _tied_copies_said(
+    e, found: Assembly | None, ckpt: Checkpoint, keymap: KeyMap | None, errors, warnings
+) -> list[str]:
+    """The checkpoint's own tensors for the tensor's other tied names (returned: they are
+    accounted for): a copy is left unread with a warning, another shape is an error."""
+    copies, unlike = _tied_copies(e, found, ckpt, keymap)
+    for key in unlike:
+        errors.add(
+            "shape_mismatch",
+            e.name,
+            f"{key} ({ckpt.tensors[key].file}) is {list(ckpt.tensors[key].shape)}, but it is "
+            f"tied to {e.name}, which is read from {', '.join(found.keys)} as {found.shape}; "
+            "check that config.json's ties (tie_word_embeddings) match the checkpoint",
+        )
+    if copies:
+        warnings.add(
+            "tied_copy_unread",
+            e.name,
+            f"{', '.join(copies)}: tied to {e.name} (tie_word_embeddings or the model's own "
+            f"ties), which is read from {', '.join(found.keys)}; the checkpoint's copy is "
+            "not read, as transformers does not use it either",
+        )
+    return copies + unlike
 
 
 def _tied_copies(
