@@ -136,6 +136,11 @@ def test_a_demo_cache_that_is_a_file_or_has_lost_its_weights_is_named(tmp_path, 
     (tmp_path / "file").touch()
     done = cli("demo", "--preset", "tiny", env={"TPVIZ_CACHE": str(tmp_path / "file")})
     assert done.returncode == 2 and "is not a directory; set TPVIZ_CACHE" in done.stderr
+    below = tmp_path / "file" / "cache"  # as under a $HOME that is a file
+    done = cli("demo", "--preset", "tiny", env={"TPVIZ_CACHE": str(below)})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]  # after the line saying it is making one
+    assert f"cannot make the demo cache {below} (Not a directory); set TPVIZ_CACHE" in last
     (tmp_path / "cache" / "demo-tiny").mkdir(parents=True)
     (tmp_path / "cache" / "demo-tiny" / "config.json").write_bytes(
         (tiny / "config.json").read_bytes()

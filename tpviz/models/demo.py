@@ -184,6 +184,13 @@ def demo_checkpoint(preset: str = "small", cache: str | os.PathLike | None = Non
     if (target / "config.json").exists() and not any(target.glob("*.safetensors")):
         raise ValueError(f"{target} has lost its weights; remove it, and it is made again")
     if not (target / "config.json").exists():
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file on the way ($HOME itself), or no permission
+            raise ValueError(
+                f"cannot make the demo cache {root} ({e.strerror}); set TPVIZ_CACHE to a "
+                "writable directory"
+            ) from None
         tmp = root / f".demo-{preset}-{os.getpid()}"
         make_checkpoint(tmp, preset)
         try:
