@@ -64,6 +64,16 @@ def file_of(directory, name):
     return directory / index["weight_map"][name]
 
 
+def rewrite_shard(directory, name, change) -> object:
+    """Apply `change` to the tensors of the shard holding `name` and save it again (a test's
+    own copy); returns the shard's path."""
+    path = file_of(directory, name)
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return path
+
+
 def expect_failure(source, plan, **kwargs) -> tpviz.LoadError:
     start = time.monotonic()
     with tpviz.launch(source, 2, plan, **kwargs) as job:
@@ -96,10 +106,7 @@ def test_truncated_file_names_rank_module_and_file(broken):
 def test_shape_mismatch_found_at_read_time(broken):
     source, plan = broken
     name = "model.layers.0.self_attn.k_proj.weight"
-    path = file_of(source, name)
-    tensors = load_file(path)
-    tensors[name] = torch.zeros(32, 128)
-    save_file(tensors, path, metadata={"format": "pt"})
+    path = rewrite_shard(source, name, lambda tensors: tensors.update({name: torch.zeros(32, 128)}))
     before = digest(source)
     error = expect_failure(source, plan)
     assert "model.layers.0.self_attn.k_proj" in str(error) and "[32, 128]" in str(error)
@@ -111,10 +118,7 @@ def test_shape_mismatch_found_at_read_time(broken):
 def test_tensor_missing_at_read_time(broken):
     source, plan = broken
     name = "model.norm.weight"
-    path = file_of(source, name)
-    tensors = load_file(path)
-    del tensors[name]
-    save_file(tensors, path, metadata={"format": "pt"})
+    path = rewrite_shard(source, name, lambda tensors: tensors.pop(name))
     error = expect_failure(source, plan)
     assert name in str(error) and error.module == "model.norm"
     assert error.rank in (0, 1) and str(path.name) in str(error)
@@ -124,11 +128,12 @@ def test_tensor_missing_at_read_time(broken):
 def test_a_value_float16_cannot_hold_fails_the_cast_naming_the_tensor(broken):
     source, _ = broken
     name = "model.layers.1.mlp.down_proj.weight"
-    path = file_of(source, name)
-    tensors = load_file(path)
-    assert tensors[name].dtype == torch.float32
-    tensors[name][0, 0] = 1e6  # float16's largest is 65504: torch casts it to inf, silently
-    save_file(tensors, path, metadata={"format": "pt"})
+
+    def too_large_for_float16(tensors):
+        assert tensors[name].dtype == torch.float32
+        tensors[name][0, 0] = 1e6  # float16's largest is 65504: torch casts it to inf, silently
+
+    rewrite_shard(source, name, too_large_for_float16)
     error = expect_failure(source, resolve_plan(source, 2, dtype="float16"), dtype="float16")
     assert f"{name}: inf after the cast from float32 to float16" in str(error)
     assert error.module == "model.layers.1.mlp.down_proj" and error.rank == 0

@@ -184,7 +184,8 @@ def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
     """Check a request (`launch()`'s arguments) and start its job: on new ranks, or on those
     of the loaded job `warm`, which hands them over only once the request is found valid."""
     a = SimpleNamespace(**args)
-    for flag in ("verify", "kv_replication", "force", "profile_forward"):  # "no" reads as true
+    # "no" would read as true (kv_replication: resolve_plan checks it, for every caller)
+    for flag in ("verify", "force", "profile_forward"):
         if not isinstance(args[flag], bool):
             raise ValueError(f"{flag} must be True or False, not {args[flag]!r}")
     _check_seconds("timeout", a.timeout)
