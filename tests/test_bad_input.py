@@ -349,6 +349,15 @@ def test_plan_files_that_are_not_pattern_objects(ck, capsys, plan):
     assert str(path) in err and "pattern -> style" in err
 
 
+def test_a_config_giving_one_key_twice(ck, capsys):
+    """json (and so transformers) keeps the last of a key given twice: which did its author
+    mean? A model's sizes and its plan follow from it, so it is asked, not guessed."""
+    path = ck / "config.json"
+    text = path.read_text().rstrip().removesuffix("}")
+    path.write_text(text + ', "num_hidden_layers": 1}')
+    assert f"{path}: the config gives key 'num_hidden_layers' twice" in refused(capsys, "plan", ck)
+
+
 def test_a_plan_giving_one_pattern_twice(ck, capsys):
     path = ck.parent / "plan.json"
     path.write_text('{"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.up_proj": "rowwise"}')

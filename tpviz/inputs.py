@@ -97,7 +97,8 @@ def parse_json(
     unique_keys: bool = False,
 ) -> Any:
     """Parse UTF-8 JSON read from `where`. `unique_keys` refuses a key given twice in one
-    object (for data where either value could be the one meant: a tensor's bytes, a plan)."""
+    object (for data where either value could be the one meant: a tensor's bytes, a plan, a
+    model's size)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -59,7 +59,7 @@ def read_config(source: str | Path) -> dict[str, Any]:
         raise ConfigError(
             f"{file.parent}: no config.json; a source needs one to build the model", str(file)
         )
-    config = read_json(file, "config", ConfigError)
+    config = read_json(file, "config", ConfigError, unique_keys=True)
     if not isinstance(config, dict):
         raise ConfigError(f"{file}: expected a JSON object, not a {type(config).__name__}")
     problem = config_problem(config)
