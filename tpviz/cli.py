@@ -21,7 +21,9 @@ from .cli_parser import STRATEGIES, build_parser
 from .format import first_line
 
 if TYPE_CHECKING:
+    from .plan import ResolvedPlan
     from .results import LoadResult
+    from .suggest.prove import Simulation
 
 __all__ = ["STRATEGIES", "build_parser", "main"]
 
@@ -166,18 +168,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.check:
         raise ValueError("--check proves a suggested plan: use it with --suggest")
     plan = _resolve(args)
-    data = plan.to_dict()
     simulation = None
     if args.simulate and not plan.errors:
         from .suggest import simulate_plan
 
         simulation = simulate_plan(plan)
-        # in the JSON as the load JSON's verify is, and its failure among the errors
-        data["simulation"] = asdict(simulation)
-        if not simulation.ok:
-            failed = {"code": "SimulationFailed", "name": None, "message": simulation.line()}
-            data["errors"].append(failed)
-    _emit(args, data, plan_table(plan, full=args.full))
+    if args.json:  # built only when asked: a plan over a thousand ranks is a million blocks
+        print(json.dumps(_plan_json(plan, simulation), indent=2))
+    else:
+        print(plan_table(plan, full=args.full))
     if plan.errors:
         # stdout keeps every error (table or JSON); stderr gets the contract's one line
         print(f"tpviz plan: {first_line(PlanError(plan.errors))}", file=sys.stderr)
@@ -186,6 +185,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(simulation.line(), file=sys.stderr)
     return 0 if simulation.ok else FAILURE
+
+
+def _plan_json(plan: ResolvedPlan, simulation: Simulation | None) -> dict[str, Any]:
+    """The plan JSON, with the simulation's report as the load JSON has its verify, and its
+    failure among the errors."""
+    data = plan.to_dict()
+    if simulation is not None:
+        data["simulation"] = asdict(simulation)
+        if not simulation.ok:
+            failed = {"code": "SimulationFailed", "name": None, "message": simulation.line()}
+            data["errors"].append(failed)
+    return data
 
 
 def _launch_kwargs(args: argparse.Namespace) -> dict[str, Any]:
