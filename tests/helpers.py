@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import torch
 from torch import nn
 
@@ -13,3 +15,8 @@ def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
     return {name: local_of(t).detach().cpu().clone() for name, t in tensors.items()}
+
+
+def start_program(model: nn.Module) -> int:
+    """Start a program that would run for ten minutes, and leave it running: its pid."""
+    return subprocess.Popen(["sleep", "600"]).pid

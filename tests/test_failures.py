@@ -186,29 +186,37 @@ PARENT = textwrap.dedent("""
     if __name__ == "__main__":
         job = tpviz.launch(sys.argv[1], 2)
         job.wait(120)
-        print(" ".join(str(p.pid) for p in job._procs), flush=True)
+        programs = job.call("tests.helpers:start_program")
+        print(" ".join(str(p) for p in [p.pid for p in job._procs] + programs), flush=True)
         time.sleep(600)
 """)
 
 
 @pytest.mark.slow
-def test_killed_parent_takes_every_rank_with_it(tmp_path, tiny):
+def test_killed_parent_takes_every_rank_and_what_they_started_with_it(tmp_path, tiny):
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
     parent = subprocess.Popen(
-        [sys.executable, str(script), str(tiny)], stdout=subprocess.PIPE, text=True, cwd=REPO
+        [sys.executable, str(script), str(tiny)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},  # the ranks import tests.helpers
     )
     try:
-        pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        pids = [int(p) for p in parent.stdout.readline().split()]  # 2 ranks, 2 programs
+        assert len(pids) == 4 and all(_alive(p) for p in pids)
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(p) for p in pids)
+        assert_ended_soon(pids)
     finally:
         parent.kill()
+
+
+def assert_ended_soon(pids: list[int]) -> None:
+    deadline = time.monotonic() + PROMPT
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
 
 
 def _alive(pid: int) -> bool:
@@ -439,11 +447,20 @@ def test_cancel_during_a_reload_and_a_rank_dying_between_loads(tiny):
 
     job = tpviz.launch(tiny, 2)
     job.wait(120)
+    programs = job.call("tests.helpers:start_program")
     os.kill(job._procs[1].pid, signal.SIGKILL)
     for _ in range(2):  # the command that meets the death, then one on the failed job
         with pytest.raises(tpviz.LoadError, match=r"rank 1 died \(signal 9"):
             job.forward([[1, 2, 3]])
+    assert all(_alive(p) for p in programs)  # rank 1's is orphaned, rank 0's still its own
     job.shutdown()
+    assert_ended_soon(programs)  # ended with the job: a dead rank's too
+
+    job = tpviz.launch(tiny, 2)
+    job.wait(120)
+    programs = job.call("tests.helpers:start_program")
+    job.shutdown()  # the ranks exit by themselves, leaving what they started
+    assert_ended_soon(programs)
 
 
 SWAPPED = {"layers.*.self_attn.q_proj": "rowwise", "layers.*.self_attn.o_proj": "colwise"}

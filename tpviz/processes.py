@@ -180,6 +180,7 @@ class Ranks:
                 p.kill()  # also ends a stopped (SIGSTOP) rank, which TERM cannot
                 p.join()
         for p in self.procs:
+            _end_what_it_left(p.pid)
             p.close()
         self.procs.clear()
         with self._send_lock:
@@ -207,6 +208,14 @@ class Ranks:
                 if conn in conns and not _dropped(conn):
                     conns.remove(conn)  # its end is closed: nothing more will come
             live = [p for p in live if p.is_alive()]
+
+
+def _end_what_it_left(pid: int) -> None:
+    """Kill what an ended rank started and left running (a program a `job.call` ran): it is
+    in the process group the rank led (heartbeat.boot). The group's id cannot be given to a
+    new process while any of its members lives, so this reaches them and nothing else."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _dropped(conn: Connection) -> bool:

@@ -8,11 +8,21 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 ORPHANED = 3  # exit code of a rank whose launcher is gone
+
+
+def leave_orphaned() -> NoReturn:
+    """End this rank, whose launcher is gone, and whatever it started and left running (a
+    program a `job.call` ran): they are in the process group the rank leads (heartbeat.boot),
+    killed with it. Nobody is left to hear how it ended."""
+    if os.getpgid(0) == os.getpid():  # never the launcher's group, should setpgid have failed
+        os.killpg(0, signal.SIGKILL)
+    os._exit(ORPHANED)
 
 
 class Channel:
@@ -28,7 +38,7 @@ class Channel:
             with self._lock:
                 self.conn.send_bytes(data)
         except OSError:  # the launcher died or closed the pipe: leave without a traceback
-            os._exit(ORPHANED)
+            leave_orphaned()
 
     def recv(self) -> Any:
         return pickle.loads(self.conn.recv_bytes())

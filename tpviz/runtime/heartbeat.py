@@ -21,7 +21,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from ..messages import Beat
-from .channel import ORPHANED, Channel
+from .channel import Channel, leave_orphaned
 
 # the launcher's end of the pipe closed (the launcher died): no data is consumed by polling
 HANGUP = select.POLLHUP | getattr(select, "POLLRDHUP", 0)
@@ -42,7 +42,12 @@ def boot(
     gc.freeze()
     os.environ.clear()
     os.environ.update(environ)
-    # Ctrl-C reaches every process of the terminal's group; the launcher decides what ends.
+    # The rank leads a process group of its own, so that what it starts and leaves running
+    # (a program a `job.call` ran) can be ended with the job, even after the rank itself has
+    # exited (processes.py) or when the launcher is gone (`leave_orphaned`). A terminal's
+    # Ctrl-C reaches the launcher alone, which decides what ends; SIGINT sent to the rank is
+    # ignored for the same reason.
+    os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Whatever the rank puts in $TMPDIR (multiprocessing's pymp-* dirs for sending tensors,
     # torch's compile cache) goes in the launcher's private dir, removed with the job even
@@ -57,7 +62,7 @@ def boot(
         poller.register(conn.fileno(), HANGUP)
         while not poller.poll():
             pass
-        os._exit(ORPHANED)  # the launcher is gone (e.g. a restarted kernel): leave nothing
+        leave_orphaned()  # the launcher is gone (e.g. a restarted kernel): leave nothing
 
     def heartbeat() -> None:  # silence means frozen: the launcher ends the job
         while True:
