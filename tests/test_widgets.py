@@ -396,6 +396,32 @@ def test_plan_view_world_size_control_resolves_live(tiny):
     assert "down_proj" in html and "<script src=" not in html
 
 
+def test_views_resolve_a_default_plan_again_as_the_default(tmp_path):
+    """A model's default plan names modules other variants have (Qwen2-MoE's dense MLP, which
+    a model whose every layer is sparse lacks): resolved again for another world size or
+    dtype, it is still the default, not keys of the user's that match nothing."""
+    transformers = pytest.importorskip("transformers")
+    from .hf_tiny import TINY_DIMS
+
+    config = transformers.AutoConfig.for_model(
+        "qwen2_moe", **TINY_DIMS, num_experts=4, moe_intermediate_size=32
+    )
+    config.save_pretrained(tmp_path)
+    view = tpviz.PlanView(resolve_plan(tmp_path, 2))
+    view.world_size.value = 4
+    assert view.plan.world_size == 4 and view.plan.given_patterns is None
+    assert "unmatched_pattern" not in view.issues.value
+    board = tpviz.Dashboard(str(tmp_path), cache=tmp_path / "cache")
+    for dtype in ("bfloat16", ""):
+        board.dtype.value = dtype
+        assert board.plan.given_patterns is None
+        assert "unmatched_pattern" not in board.validation.value
+    edited = {**board.plan.patterns, "model.layers.*.mlp.nothing": "colwise"}
+    board.plan_editor.value = json.dumps(edited)  # edited: the user's keys, warned about
+    assert board.plan.given_patterns == edited and "nothing" in board.validation.value
+    board.close()
+
+
 # --- LoadMonitor on a real job ----------------------------------------------------------------
 
 

@@ -204,6 +204,7 @@ def _resolve_source(
     if not given:
         patterns = found.adapter.default_plan(found.skeleton)
     resolved = _resolve(found, world_size, patterns, kv_replication, experts, given)
+    resolved.given_patterns = dict(patterns) if given else None
     return resolved, found
 
 

@@ -98,6 +98,10 @@ class ResolvedPlan:
     module_styles: dict[str, str] = field(default_factory=dict)  # module -> forward style
     has_weights: bool = True
     patterns: dict[str, str] = field(default_factory=dict)  # the plan keys that were resolved
+    # the plan keys the caller gave, before resolution added or rewrote expert keys; None for
+    # the model's default plan: what to resolve again for another world size, dtype or source
+    # (resolving the default plan's keys as the caller's would warn of keys a variant lacks)
+    given_patterns: dict[str, str] | None = None
     # attention module -> query heads per key-value head on each rank, where the key-value
     # heads are replicated (its `num_key_value_groups` on the ranks)
     local_kv_groups: dict[str, int] = field(default_factory=dict)

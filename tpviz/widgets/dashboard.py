@@ -256,6 +256,8 @@ class Dashboard(widgets.VBox):
             return None
         if self.plan is None:
             return None
+        if patterns == self.plan.patterns:  # the plan shown, unedited: resolved as it was
+            patterns = self.plan.given_patterns
         try:
             plan = resolve_plan(
                 self.plan.source,

@@ -159,7 +159,7 @@ def replace_figure(widget: FigureWidget, fig: go.Figure) -> None:
 
 class PlanView(widgets.VBox):
     """Explore a ResolvedPlan: `PlanView(tpviz.resolve_plan(ckpt, 2))`. Changing the world
-    size resolves the plan's own patterns again."""
+    size resolves the plan's own patterns (or the model's default plan) again."""
 
     def __init__(self, plan: ResolvedPlan):
         self.plan = plan
@@ -257,7 +257,7 @@ class PlanView(widgets.VBox):
             plan = resolve_plan(
                 self.plan.source,
                 size,
-                self.plan.patterns,
+                self.plan.given_patterns,
                 dtype=self.plan.dtype,
                 model=self.plan.model,
                 experts=self.plan.experts,
