@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import subprocess
+import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,3 +22,17 @@ def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def start_program(model: nn.Module) -> int:
     """Start a program that would run for ten minutes, and leave it running: its pid."""
     return subprocess.Popen(["sleep", "600"]).pid
+
+
+def wait_for_go(model: nn.Module, directory: str) -> str:
+    """Say this rank has begun (a file `started<rank>` in `directory`), then wait until the
+    test writes `go` there (bounded: a test that never does fails, it does not hang)."""
+    import torch.distributed as dist
+
+    (Path(directory) / f"started{dist.get_rank()}").touch()
+    deadline = time.monotonic() + 120
+    while not (Path(directory) / "go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("no go")
+        time.sleep(0.01)
+    return "went"

@@ -525,9 +525,9 @@ def test_durations_past_30_days_are_refused_before_any_rank(ck, capsys, option, 
     err = refused(capsys, "load", ck, "--world-size", "1", option, seconds)
     name = option.lstrip("-").replace("-", "_")
     assert f"{name} must be a positive, finite number of seconds, at most 2592000 (30 days)" in err
-    from tpviz.launcher import MAX_SECONDS, _check_seconds
+    from tpviz.liveness import MAX_SECONDS, check_seconds
 
-    _check_seconds(name, MAX_SECONDS)  # the bound itself is accepted
+    check_seconds(name, MAX_SECONDS)  # the bound itself is accepted
 
 
 INTEGER_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32, torch.uint32,

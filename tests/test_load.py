@@ -8,6 +8,8 @@ from __future__ import annotations
 import collections
 import json
 import re
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -366,3 +368,51 @@ def test_a_resolved_plan_given_to_reload_is_loaded_for_what_it_was_resolved(warm
     assert result["plan_matches_shards"]
     with pytest.raises(ValueError, match="resolved for dtype float32, not bfloat16"):
         warm.job.reload(plan=plan, dtype="bfloat16")  # what reload is told still counts
+
+
+def test_a_resolved_plan_keeps_its_keys_when_a_reload_changes_the_dtype(warm, tiny):
+    """Its keys (the caller's, or the model's default plan) are resolved again for the new
+    dtype: not replaced by the default plan, and a default plan not taken for the caller's."""
+    mlp_only = {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+    for patterns in (mlp_only, None):
+        warm.job = warm.job.reload(plan=resolve_plan(tiny, 2, patterns), dtype=None)
+        warm.job.wait(120)
+        warm.job = warm.job.reload(dtype="bfloat16")
+        result = warm.job.wait(120)
+        expected = resolve_plan(tiny, 2, patterns, dtype="bfloat16")
+        assert result["dtype"] == "bfloat16" and result["plan_matches_shards"]
+        assert [r["param_bytes"] for r in result["ranks"]] == expected.per_rank_bytes
+        assert warm.job.plan.given_patterns == patterns
+        # no unmatched_pattern for keys of the default plan this model lacks
+        assert [w["code"] for w in result["warnings"]] == [w.code for w in expected.warnings]
+
+
+def test_a_reload_waits_for_no_call_a_thread_still_runs_on_the_ranks(warm, tmp_path):
+    """A reload while another thread's `call` runs is refused: that call's replies would come
+    from the next model, and be taken for the next job's."""
+    fresh = warm.job.call(all_shards)
+    replies: list = []
+    call = threading.Thread(
+        target=lambda: replies.append(warm.job.call("tests.helpers:wait_for_go", str(tmp_path)))
+    )
+    call.start()
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("started*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(tpviz.LoadError, match="a call is running: reload once it returns"):
+        warm.job.reload(strategy="replicated")
+    (tmp_path / "go").touch()
+    call.join(60)
+    assert replies == [["went", "went"]] and warm.job.state == "loaded"
+    warm.job = warm.job.reload(strategy="replicated")
+    assert warm.job.wait(120)["strategy"] == "replicated"
+    assert [sorted(r) for r in warm.job.call(all_shards)] == [sorted(r) for r in fresh]
+
+
+def test_durations_given_to_wait_and_shutdown_are_checked(job2):
+    for bad in (None, "5", -1, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
+            job2.shutdown(timeout=bad)
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
+        job2.wait("5")
+    assert job2.state == "loaded" and job2.wait(0) is job2.result

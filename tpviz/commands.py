@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -38,25 +37,32 @@ def first_failed(replies: dict[int, Reply]) -> int | None:
 class CommandChannel:
     """Sends a command to every rank and collects one reply per rank. Replies are handed in
     by the pump thread (`on_reply`); `cond` is the job's, so that a job that ends wakes a
-    caller waiting here."""
+    caller waiting here. Command ids are the ranks' (they count across warm loads), so a late
+    reply to a command given up, or one of the previous job's, is never taken for another's."""
 
     def __init__(self, ranks: Ranks, world_size: int, cond: threading.Condition):
         self._ranks = ranks
         self._world = world_size
         self._cond = cond
-        self._ids = itertools.count()
-        self._replies: dict[int, dict[int, Reply]] = {}
+        self._replies: dict[int, dict[int, Reply]] = {}  # the commands in flight, by id
         self.running: CommandName | None = None  # the command the ranks are running, if any
+
+    @property
+    def in_flight(self) -> bool:
+        """A command sent whose replies are still awaited (read under `cond`)."""
+        return bool(self._replies)
 
     def on_reply(self, rank: int, reply: Reply) -> None:
         with self._cond:
-            self._replies.setdefault(reply.command_id, {})[rank] = reply
-            self._cond.notify_all()
+            if reply.command_id in self._replies:  # else one nobody awaits any more: dropped
+                self._replies[reply.command_id][rank] = reply
+                self._cond.notify_all()
 
     def run(
         self,
         name: CommandName,
         args: tuple[Any, ...],
+        admit: Callable[[], None],
         given_up: Callable[[], bool],
         straggler_seconds: float,
     ) -> dict[int, Reply]:
@@ -64,25 +70,35 @@ class CommandChannel:
         ended), or when a rank has not replied `straggler_seconds` after the others all did:
         it waits in a collective they never entered (or works that much longer alone). No
         wall-clock limit otherwise: user code may take long, and a silent rank fails the job
-        through its heartbeat."""
-        command_id = next(self._ids)
-        self.running = name
+        through its heartbeat. `admit()` raises if the job cannot run a command now; it runs
+        under `cond`, with the command's registration, so no reload slips in between."""
+        with self._cond:
+            admit()
+            command_id = next(self._ranks.command_ids)
+            self._replies[command_id] = {}
+            self.running = name
+            if name in (CommandName.FORWARD, CommandName.CALL):
+                # what runs may stay (a forward imports torch._dynamo): the next load is the
+                # reference for the memory a load leaves behind
+                self._ranks.reference_baselines = None
         try:
             # a dead rank breaks its pipe; the pump reports it and fails the job
             with contextlib.suppress(OSError):
                 self._ranks.send_all(Command(name, command_id, args))
             with self._cond:
                 self._wait(command_id, given_up, straggler_seconds)
-                return self._replies.pop(command_id, {})
+                return dict(self._replies[command_id])
         finally:
-            self.running = None
+            with self._cond:
+                del self._replies[command_id]
+                self.running = None
 
     def _wait(self, command_id: int, given_up: Callable[[], bool], straggler: float) -> None:
         """Until every rank replied, the job ended, or `straggler` seconds passed since the
         last reply came while some are still missing."""
         seen, deadline = 0, None
         while True:
-            count = len(self._replies.get(command_id, {}))
+            count = len(self._replies[command_id])
             if count == self._world or given_up():
                 return
             if count != seen:  # another reply: the ranks still at it get `straggler` more
@@ -95,10 +111,12 @@ class CommandChannel:
 
     def reload(self, spec: Any) -> None:
         """Send every (loaded, idle) rank the next load's WorkerSpec; its events answer."""
-        with contextlib.suppress(OSError):  # a dead rank: the pump reports it
-            self._ranks.send_all(Command(CommandName.RELOAD, next(self._ids), (spec,)))
+        self._send(CommandName.RELOAD, (spec,))
 
     def shutdown(self) -> None:
         """Ask every rank to leave its command loop."""
-        with contextlib.suppress(OSError):
-            self._ranks.send_all(Command(CommandName.SHUTDOWN, next(self._ids)))
+        self._send(CommandName.SHUTDOWN, ())
+
+    def _send(self, name: CommandName, args: tuple[Any, ...]) -> None:
+        with contextlib.suppress(OSError):  # a dead rank: the pump reports it
+            self._ranks.send_all(Command(name, next(self._ranks.command_ids), args))

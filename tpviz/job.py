@@ -24,6 +24,7 @@ from .eventlog import EventLog
 from .events import LAUNCHER_RANK, Done, Error, Event, JobState, Phase, end_rank_files
 from .liveness import (
     broken_group_message,
+    check_seconds,
     death_message,
     server_lost_message,
     silence_message,
@@ -262,9 +263,9 @@ class LoadJob:
     def wait(self, timeout: float | None = None) -> LoadResult:
         """The load result once every rank has loaded (and verified, if asked); raises the
         job's error. The ranks stay alive for commands."""
-        busy = (JobState.STARTING, JobState.VERIFYING)
+        check_seconds("timeout", timeout, zero=True)
         with self._cond:
-            ok = self._cond.wait_for(lambda: self.state not in busy, timeout)
+            ok = self._cond.wait_for(lambda: self.state.finished, timeout)
         if not ok:
             raise TimeoutError(f"the load is still running after {timeout} s")
         if self.error is not None:
@@ -280,13 +281,6 @@ class LoadJob:
     # --- commands on the loaded model -------------------------------------------------------
 
     def _command(self, name: CommandName, *args: Any) -> list[Any]:
-        verifying = self.state is JobState.VERIFYING and name is CommandName.FORWARD
-        if self.state is not JobState.LOADED and not verifying:
-            why = f" ({self.error})" if self.error is not None else ""
-            raise LoadError(f"the job is {self.state}{why}; commands need a loaded model")
-        if name in (CommandName.FORWARD, CommandName.CALL):
-            # what runs may stay (a forward imports torch._dynamo): the next load is the reference
-            self._ranks.reference_baselines = None
         replies = self._replies(name, args)
         failed = first_failed(replies)
         if failed is not None:  # the traceback stays on the error, off its message
@@ -295,9 +289,18 @@ class LoadJob:
             raise error
         return [replies[r].payload for r in range(self.plan.world_size)]
 
+    def _admit(self, name: CommandName) -> None:
+        """Raise unless the ranks can run command `name` now (called under `_cond`)."""
+        verifying = self.state is JobState.VERIFYING and name is CommandName.FORWARD
+        if self.state is not JobState.LOADED and not verifying:
+            why = f" ({self.error})" if self.error is not None else ""
+            raise LoadError(f"the job is {self.state}{why}; commands need a loaded model")
+
     def _replies(self, name: CommandName, args: tuple[Any, ...]) -> dict[int, Reply]:
         """Every rank's reply to a command, or the job's error (a rank died, or straggled)."""
-        replies = self._commands.run(name, args, lambda: self.state.ended, self.heartbeat_timeout)
+        replies = self._commands.run(
+            name, args, lambda: self._admit(name), lambda: self.state.ended, self.heartbeat_timeout
+        )
         world = self.plan.world_size
         if len(replies) < world and not self.state.ended:
             late = min(set(range(world)) - set(replies))
@@ -364,6 +367,8 @@ class LoadJob:
                 raise LoadError(f"a failed job cannot reload (launch a new one): {self.error}")
             if self.state is not JobState.LOADED:
                 raise LoadError(f"the job is {self.state}; a reload needs a loaded job")
+            if self._commands.in_flight:  # its replies would come from the next model
+                raise LoadError(f"a {self._commands.running} is running: reload once it returns")
             self.state = JobState.CLOSED
             self._cond.notify_all()
         self._finalizer.detach()
@@ -371,7 +376,8 @@ class LoadJob:
         return self._ranks
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the ranks and release everything; safe to call more than once."""
+        """Stop the ranks (each may take `timeout` s to exit) and release all; idempotent."""
+        check_seconds("timeout", timeout, optional=False, zero=True)
         with self._cond:
             if self.state is JobState.CLOSED:
                 return

@@ -24,6 +24,7 @@ from .capacity import free_task_slots, host_shortfall
 from .errors import LoadError, MemoryForecastError
 from .events import remove_rank_files
 from .job import HEARTBEAT_TIMEOUT, LoadJob
+from .liveness import check_seconds
 from .outputs import check_output_dir
 from .plan import ResolvedPlan, forecast, resolve_plan
 from .rankserver import keep_torch_cache_out_of_tmpdir, rank_imports, start_server
@@ -66,13 +67,6 @@ def check_memory(plan: ResolvedPlan, strategy: str, device: str, init: str) -> N
             )
 
 
-# The longest duration accepted (30 days), far above any real load, for every duration
-# argument alike. The load timeout becomes the ranks' collective timeout, which gloo adds in
-# nanoseconds to a clock: from about 9.2e9 s (2**63 ns) that overflows into a hang or an
-# instant time-out, and from 1e13 s gloo refuses it or Python cannot pass it at all.
-MAX_SECONDS = 30 * 24 * 3600
-
-
 def _check_strategies(strategies: Any) -> None:
     """compare()'s strategies, checked before any rank starts: a tuple or list of known ones."""
     if isinstance(strategies, str) or not isinstance(strategies, (tuple, list)) or not strategies:
@@ -81,22 +75,6 @@ def _check_strategies(strategies: Any) -> None:
         )
     for strategy in strategies:
         check_strategy(strategy)
-
-
-def _check_seconds(name: str, value: float | None, optional: bool = True) -> None:
-    """A duration argument: a number of seconds in (0, MAX_SECONDS] (not a bool; NaN and
-    infinity fail too), or None where `optional`."""
-    if value is None and optional:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0 < value <= MAX_SECONDS
-    ):
-        raise ValueError(
-            f"{name} must be a positive, finite number of seconds, at most {MAX_SECONDS} "
-            f"(30 days){', or None' if optional else ''}, not {value!r}"
-        )
 
 
 def _end_rank_running_an_unguarded_script() -> None:
@@ -188,8 +166,8 @@ def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
     for flag in ("verify", "force", "profile_forward"):
         if not isinstance(args[flag], bool):
             raise ValueError(f"{flag} must be True or False, not {args[flag]!r}")
-    _check_seconds("timeout", a.timeout)
-    _check_seconds("heartbeat_timeout", a.heartbeat_timeout, optional=False)
+    check_seconds("timeout", a.timeout)
+    check_seconds("heartbeat_timeout", a.heartbeat_timeout, optional=False)
     resolved = resolve_plan(
         a.source,
         a.world_size,
@@ -215,6 +193,7 @@ def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
     options.validate(resolved)
     if not a.force:
         check_memory(resolved, a.strategy, a.device, options.init)
+    ranks = warm._hand_over() if warm is not None else None  # raises if it cannot: first
     if events_dir:
         remove_rank_files(events_dir)
     return LoadJob(
@@ -225,7 +204,7 @@ def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
         verify=a.verify,
         events_dir=events_dir,
         heartbeat_timeout=a.heartbeat_timeout,
-        warm=warm._hand_over() if warm is not None else None,
+        warm=ranks,
         relaunch=lambda job, **changes: _reload(args, job, changes),
     )
 
@@ -243,8 +222,8 @@ def _reload(args: dict[str, Any], job: LoadJob, changes: dict[str, Any]) -> Load
             )
     resolved_by = {"source", "dtype", "model", "kv_replication", "experts"}
     if isinstance(args["plan"], ResolvedPlan) and "plan" not in changes:
-        if resolved_by & set(changes):  # a resolved plan is for one source and dtype: resolve
-            changes = {**changes, "plan": None}  # the model's default plan
+        if resolved_by & set(changes):  # a resolved plan is for one source and dtype: its
+            changes = {**changes, "plan": args["plan"].given_patterns}  # keys, resolved again
     plan = changes.get("plan")
     if isinstance(plan, ResolvedPlan):  # it says what it was resolved for, unless changes do
         inherited = {"source": plan.source, "dtype": None, "model": None, "experts": None}

@@ -1,10 +1,16 @@
 """What to say when a rank died or fell silent: the error names the rank, how it ended and
-what it was doing."""
+what it was doing; and the durations that bound a job, checked."""
 
 from __future__ import annotations
 
 from .events import RankPhase
 from .tracking import RankProgress
+
+# The longest duration accepted (30 days), far above any real load, for every duration
+# argument alike. The load timeout becomes the ranks' collective timeout, which gloo adds in
+# nanoseconds to a clock: from about 9.2e9 s (2**63 ns) that overflows into a hang or an
+# instant time-out, and from 1e13 s gloo refuses it or Python cannot pass it at all.
+MAX_SECONDS = 30 * 24 * 3600
 
 UNGUARDED_SCRIPT = (
     " before it started; a script that calls tpviz.launch must guard the call with "
@@ -116,3 +122,18 @@ def broken_group_message(error: Exception, check: str) -> str:
         f"{error}; the process group no longer works after it ({check}), so the job was ended: "
         "launch a new one"
     )
+
+
+def check_seconds(
+    name: str, value: float | None, optional: bool = True, zero: bool = False
+) -> None:
+    """A duration argument: a number of seconds in (0, MAX_SECONDS] (from 0 where `zero`;
+    not a bool; NaN and infinity fail too), or None where `optional`."""
+    if value is None and optional:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and (value >= 0 if zero else value > 0) and value <= MAX_SECONDS):
+        raise ValueError(
+            f"{name} must be a {'' if zero else 'positive, '}finite number of seconds, at most "
+            f"{MAX_SECONDS} (30 days){', or None' if optional else ''}, not {value!r}"
+        )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import os
 import pickle
 import shutil
@@ -78,6 +79,7 @@ class Ranks:
         # first, or the first since the ranks last ran a forward or a call
         self.reference_baselines: list[int] | None = None
         self.grace = 0.0  # seconds the ranks get to exit by themselves once asked to stop
+        self.command_ids = itertools.count()  # unique over the ranks' life, across warm loads
         self._send_lock = threading.Lock()
         self._closed = False
 
