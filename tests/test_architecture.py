@@ -49,6 +49,7 @@ CORE = (
     "tracking",
     "liveness",
     "suggest",
+    "tempdirs",
 )
 
 # Known exceptions, each an edge that closes a cycle; keep this list empty.

@@ -16,7 +16,7 @@ import pytest
 
 from tpviz.events import Error, read_events_dir
 from tpviz.processes import Ranks
-from tpviz.rankserver import LOCK, remove_stale_workdirs
+from tpviz.tempdirs import LOCK, remove_stale_workdirs
 
 from .conftest import REPO
 
@@ -183,6 +183,30 @@ def test_a_transformers_model_leaves_no_torch_cache_dir_in_tmpdir(tiny, tmp_path
     as it is imported: the CLI keeps it in a directory of its own, removed at exit."""
     tmpdir = tmp_path / "tmp"
     done = _cli_in_own_tmpdir(tmpdir, "plan", str(tiny), "--model", "hf")
+    assert done.returncode == 0, done.stderr
+    assert not list(tmpdir.iterdir())
+
+
+@pytest.mark.parametrize(
+    "code", ["tpviz.resolve_plan(sys.argv[1], 2)", "tpviz.Dashboard(sys.argv[1])"]
+)
+def test_planning_a_transformers_model_from_python_leaves_nothing_in_tmpdir(tmp_path, code):
+    """A notebook that only plans (resolve_plan, PlanView, Dashboard) imports transformers'
+    model classes, and so torch._dynamo, too."""
+    transformers = pytest.importorskip("transformers")
+    from .hf_tiny import TINY_DIMS
+
+    transformers.AutoConfig.for_model("qwen2", **TINY_DIMS).save_pretrained(tmp_path / "qwen2")
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    done = subprocess.run(
+        [sys.executable, "-c", f"import sys, tpviz; {code}", str(tmp_path / "qwen2")],
+        capture_output=True,
+        text=True,
+        timeout=BOUND * 2,
+        env={**env, "TMPDIR": str(tmpdir), "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0, done.stderr
     assert not list(tmpdir.iterdir())
 

@@ -66,7 +66,8 @@ def _stop_signals_interrupt() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .rankserver import keep_torch_cache_out_of_tmpdir, rank_imports, start_server
+    from .rankserver import rank_imports, start_server
+    from .tempdirs import keep_torch_cache_out_of_tmpdir
 
     keep_torch_cache_out_of_tmpdir()
     if args.command in ("load", "compare", "demo"):

@@ -27,10 +27,11 @@ from .job import HEARTBEAT_TIMEOUT, LoadJob
 from .liveness import check_seconds
 from .outputs import check_output_dir
 from .plan import ResolvedPlan, forecast, resolve_plan
-from .rankserver import keep_torch_cache_out_of_tmpdir, rank_imports, start_server
+from .rankserver import rank_imports, start_server
 from .results import LoadResult, add_ratios
 from .runtime.options import LoadOptions, check_strategy
 from .strategies import STRATEGIES
+from .tempdirs import keep_torch_cache_out_of_tmpdir
 
 __all__ = [
     "HEARTBEAT_TIMEOUT",

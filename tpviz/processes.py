@@ -30,15 +30,9 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
-from .rankserver import (
-    LOCK,
-    PREFIX,
-    missing_defaults,
-    remove_stale_workdirs,
-    start_server,
-    stop_server,
-)
+from .rankserver import missing_defaults, start_server, stop_server
 from .runtime.heartbeat import boot
+from .tempdirs import LOCK, PREFIX, remove_stale_workdirs
 
 TERMINATE_GRACE_SECONDS = 3.0
 

@@ -1,4 +1,4 @@
-"""The rank server (the forkserver ranks are forked from) and the temp dirs tpviz owns.
+"""The rank server: the forkserver ranks are forked from.
 
 Ranks start from multiprocessing's forkserver with torch and tpviz's rank code preloaded
 (`start_server`): each rank is a fork of a process that has imported them and done nothing
@@ -11,36 +11,25 @@ initialised), and its only thread is the one that forks. Each rank still imports
 (with `RANK_ENVIRON`'s defaults, which the server also starts with), and watches its pipe to
 this process rather than its parent (the server), see heartbeat.py.
 The server's socket lives in multiprocessing's temp dir (`$TMPDIR/pymp-*`), which tpviz locks
-like its own: removed at interpreter exit, or as stale by the next launcher if this process
-was killed.
-
-The temp dir (`$TMPDIR/tpviz-<pid>-*`: the rendezvous file, and the ranks' own $TMPDIR) is locked
-with `flock` for as long as its launcher lives, so a later launcher can prove a dir stale (its
-lock is free: the owner was killed with SIGKILL) and remove it.
+like its own (tempdirs.py).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import multiprocessing as mp
 import os
-import shutil
 import signal
-import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from multiprocessing import forkserver
-from multiprocessing import util as mp_util
 from pathlib import Path
 
 from .choices import model_family
 from .inputs import read_json
+from .tempdirs import private_temp_dir
 
-PREFIX = "tpviz-"
-LOCK = "owner.lock"
-MP_PREFIX = "pymp-"  # multiprocessing's temp dir: ours to remove when it holds our lock
 # what the forkserver imports before it forks ranks: torch, torch.distributed and the rank code.
 # Not torch._dynamo: about a second more on every cold start's critical path, and a load never
 # imports it (parallelize builds DTensors directly); a rank's first forward does.
@@ -53,30 +42,6 @@ PRELOAD = ["tpviz.runtime.worker"]
 RANK_ENVIRON = {"THP_MEM_ALLOC_ENABLE": "1"}
 _server_lock = threading.Lock()
 _server_started = False
-_temp_dir_lock: int | None = None  # the fd whose flock marks multiprocessing's temp dir ours
-_temp_dir_guard = threading.Lock()
-
-
-def remove_stale_workdirs() -> None:
-    """Remove tpviz temp dirs whose owner is gone: only those whose lock can be taken."""
-    root = tempfile.gettempdir()
-    try:
-        names = [n for n in os.listdir(root) if n.startswith((PREFIX, MP_PREFIX))]
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(root, name)
-        try:
-            fd = os.open(os.path.join(path, LOCK), os.O_RDONLY)
-        except OSError:  # not ours, or not (yet) locked: not provably stale
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass  # its launcher is alive
-        finally:
-            os.close(fd)
 
 
 def rank_imports(source: str | os.PathLike | None, model: str | None) -> list[str]:
@@ -123,28 +88,6 @@ def start_server(preload: Sequence[str] = ()) -> mp.context.BaseContext:
         atexit.unregister(stop_server)
         atexit.register(stop_server)
     return ctx
-
-
-def private_temp_dir() -> str:
-    """This process's temp dir: multiprocessing's, which it removes at exit, locked like a
-    workdir so that the next launcher removes it if this process was killed."""
-    global _temp_dir_lock
-    path = mp_util.get_temp_dir()
-    with _temp_dir_guard:
-        if _temp_dir_lock is None:  # locked once: a second flock of ours would wait on the first
-            _temp_dir_lock = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(_temp_dir_lock, fcntl.LOCK_EX)  # held for as long as this process lives
-    return path
-
-
-def keep_torch_cache_out_of_tmpdir() -> None:
-    """torch._dynamo (imported by transformers' model classes, and by a first forward through
-    DTensor) makes its cache dir in $TMPDIR as it is imported, and nothing removes it: this
-    process's goes into its private temp dir instead, removed at exit (the forkserver's goes
-    there too, see start_server), unless the caller chose a cache dir."""
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR", os.path.join(private_temp_dir(), "torchinductor")
-    )
 
 
 def stop_server() -> None:

@@ -19,12 +19,14 @@ import torch
 from torch import nn
 
 from ..keymap import KeyMap
+from ..tempdirs import keep_torch_cache_out_of_tmpdir
 from .adapter import HeadCounts, ModelAdapter, local_of
 from .config import ConfigError, error_text
 from .hf_keys import checkpoint_map
 
 
 def _transformers(config: dict[str, Any]):
+    keep_torch_cache_out_of_tmpdir()  # its model classes import torch._dynamo
     try:
         import transformers
     except ImportError:

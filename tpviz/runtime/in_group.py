@@ -19,7 +19,7 @@ from ..outputs import OutputPathError, check_output_dir
 from ..plan import ResolvedPlan, resolve_plan
 from ..plan.patterns import load_plan_patterns
 from ..plan.resolve import SourceModel, read_source, resolve_and_keep
-from ..rankserver import keep_torch_cache_out_of_tmpdir
+from ..tempdirs import keep_torch_cache_out_of_tmpdir
 from .loader import ShardedModel, failure_event, init_group, load_in_group, rank_device
 from .options import LoadOptions
 from .sink import EventSink

@@ -1,0 +1,68 @@
+"""The temp dirs tpviz owns, and what keeps others' files out of $TMPDIR.
+
+A job's temp dir (`$TMPDIR/tpviz-<pid>-*`: the rendezvous file, and the ranks' own $TMPDIR)
+and multiprocessing's temp dir of this process (`$TMPDIR/pymp-*`: the rank server's socket,
+torch's inductor cache) are locked with `flock` for as long as their owner lives, so a later
+launcher can prove a dir stale (its lock is free: the owner was killed with SIGKILL) and
+remove it. Standard library only: the model layer calls `keep_torch_cache_out_of_tmpdir`
+before it imports transformers.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+import threading
+from multiprocessing import util as mp_util
+
+PREFIX = "tpviz-"
+LOCK = "owner.lock"
+MP_PREFIX = "pymp-"  # multiprocessing's temp dir: ours to remove when it holds our lock
+_temp_dir_lock: int | None = None  # the fd whose flock marks multiprocessing's temp dir ours
+_temp_dir_guard = threading.Lock()
+
+
+def remove_stale_workdirs() -> None:
+    """Remove tpviz temp dirs whose owner is gone: only those whose lock can be taken."""
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith((PREFIX, MP_PREFIX))]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            fd = os.open(os.path.join(path, LOCK), os.O_RDONLY)
+        except OSError:  # not ours, or not (yet) locked: not provably stale
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass  # its launcher is alive
+        finally:
+            os.close(fd)
+
+
+def private_temp_dir() -> str:
+    """This process's temp dir: multiprocessing's, which it removes at exit, locked like a
+    workdir so that the next launcher removes it if this process was killed."""
+    global _temp_dir_lock
+    path = mp_util.get_temp_dir()
+    with _temp_dir_guard:
+        if _temp_dir_lock is None:  # locked once: a second flock of ours would wait on the first
+            _temp_dir_lock = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(_temp_dir_lock, fcntl.LOCK_EX)  # held for as long as this process lives
+    return path
+
+
+def keep_torch_cache_out_of_tmpdir() -> None:
+    """torch._dynamo (imported by transformers' model classes, and by a first forward through
+    DTensor) makes its cache dir in $TMPDIR as it is imported, and nothing removes it: this
+    process's goes into its private temp dir instead, removed at exit (the forkserver's goes
+    there too, see start_server), unless the caller chose a cache dir."""
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(private_temp_dir(), "torchinductor")
+    )
