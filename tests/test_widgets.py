@@ -396,6 +396,30 @@ def test_plan_view_world_size_control_resolves_live(tiny):
     assert "down_proj" in html and "<script src=" not in html
 
 
+# a refused widget is freed at once: its close (ipywidgets' __del__) must not fail either
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_widgets_refuse_arguments_of_the_wrong_kind_naming_them(tiny):
+    plan = resolve_plan(tiny, 2)
+    with pytest.raises(
+        TypeError, match="LoadMonitor follows a LoadJob .* give a ResolvedPlan as plan="
+    ):
+        tpviz.LoadMonitor(plan)
+    with pytest.raises(TypeError, match="LoadMonitor follows a LoadJob .*, not a str"):
+        tpviz.LoadMonitor(str(tiny))
+    with pytest.raises(
+        TypeError, match=r"PlanView shows a ResolvedPlan: PlanView\(tpviz.resolve_plan"
+    ):
+        tpviz.PlanView(str(tiny))
+    for kwargs, message in [
+        (dict(strategy="nope"), "unknown strategy 'nope'"),
+        (dict(preset="huge"), "unknown preset 'huge' (choose from tiny, small, medium"),
+        (dict(world_size=0), "world size must be a positive integer, got 0"),
+        (dict(source=5), "source must be a directory"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            tpviz.Dashboard(**kwargs)
+
+
 def test_views_resolve_a_default_plan_again_as_the_default(tmp_path):
     """A model's default plan names modules other variants have (Qwen2-MoE's dense MLP, which
     a model whose every layer is sparse lacks): resolved again for another world size or

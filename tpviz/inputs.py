@@ -4,6 +4,7 @@ Only regular files are opened: a FIFO or a device named as config.json or as a s
 block a read forever. A path that cannot be used (missing, a symlink loop, unreadable) and a
 JSON file that cannot be parsed (not UTF-8, not JSON, nested too deeply, a key given twice)
 become one-line errors naming the file, never a Python error from deep inside a parser.
+Paths and world sizes given in Python are checked for their kind here too.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import errno
 import json
 import os
 import stat
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,13 @@ def check_path_argument(name: str, value: Any, what: str) -> None:
     descriptor 5, and None or bytes would fail deep inside pathlib."""
     if not isinstance(value, (str, os.PathLike)) or not str(value):
         raise ValueError(f"{name} must be {what}, not {value!r}")
+
+
+def check_world_size(world_size: Any) -> int:
+    """A world size given in Python: a positive integer (a numpy one too), as an int."""
+    if isinstance(world_size, bool) or not isinstance(world_size, Integral) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    return int(world_size)
 
 
 def regular_file(

@@ -12,7 +12,6 @@ import gc
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import Checkpoint, dtype_name, torch_dtype
-from ..inputs import check_path_argument
+from ..inputs import check_path_argument, check_world_size
 from ..models import ModelAdapter, adapter_for_module, build_skeleton, get_adapter, read_config
 from ..models.config import check_unquantized, config_dtype, naming_config_file
 from ..strategies import STRATEGIES, forecast
@@ -66,9 +65,7 @@ def resolve_plan(
     whole experts (expert parallelism), the rest as the plan says; None with a ResolvedPlan: as
     it was resolved. Problems are returned in `errors` / `warnings`, not raised.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, Integral) or world_size < 1:
-        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
-    world_size = int(world_size)  # a numpy integer too
+    world_size = check_world_size(world_size)
     _check_arguments(source, model, checkpoint, kv_replication)
     if experts is not None:
         check_layout(experts)

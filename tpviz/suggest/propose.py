@@ -32,6 +32,7 @@ from typing import Any
 
 from torch import nn
 
+from ..inputs import check_world_size
 from ..plan import ResolvedPlan, resolve_plan
 from ..plan.experts import EP_MODULE, EXPERT_STYLES, TP_MODULE
 from ..styles import EMBEDDING, MODULE_NAMES, module_kind
@@ -110,8 +111,7 @@ def suggest_plan(
     """Suggest a TP plan for the model at `source` (a checkpoint or config.json directory).
     `kv_replication=False`: only plans that need no key-value head replicated (as
     `resolve_plan`'s)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    world_size = check_world_size(world_size)
     choices: dict[str, Any] = dict(dtype=dtype, model=model, kv_replication=kv_replication)
     proof = Proof.of(
         source,

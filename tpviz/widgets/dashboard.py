@@ -15,10 +15,12 @@ import ipywidgets as widgets
 import torch
 
 from ..choices import TARGET_DTYPES
+from ..inputs import check_path_argument, check_world_size
 from ..launcher import LoadError, LoadJob, load_next
 from ..models.demo import PRESETS, cache_dir, demo_checkpoint
 from ..plan import STRATEGIES, ResolvedPlan, load_plan_patterns, resolve_plan
 from ..report import html_page, load_parts, plan_parts
+from ..runtime.options import check_strategy
 from ..suggest import Simulation, Suggestion, simulate_plan, suggest_plan
 from . import figures
 from .chart import MemoryChart
@@ -43,10 +45,11 @@ class Dashboard(widgets.VBox):
         strategy: str = "sliced",
         cache: str | os.PathLike | None = None,
     ):
+        self.job: LoadJob | None = None  # first: `close` (also run as a refused one is freed)
+        _check_arguments(source, preset, world_size, strategy, cache)
         self.cache = Path(cache) if cache is not None else cache_dir()
         self.plan_view: PlanView | None = None
         self.monitors: list[LoadMonitor] = []
-        self.job: LoadJob | None = None
         self._patterns: dict[str, str] | None = None  # the editor's last valid plan
         self._editing = False
         self._world_size = world_size
@@ -124,20 +127,9 @@ class Dashboard(widgets.VBox):
         self.chart = MemoryChart(figures.default_measure(device))
         self.monitor_box = widgets.VBox()
         self.comparison = widgets.HTML()
-        plan_tab = widgets.VBox(
-            [
-                widgets.HBox(
-                    [
-                        widgets.HTML("<b>Plan</b> (JSON: pattern → style; validated as you type)"),
-                        self.suggest_button,
-                        self.simulate_button,
-                    ]
-                ),
-                self.plan_editor,
-                self.validation,
-                self.plan_box,
-            ]
-        )
+        header = widgets.HTML("<b>Plan</b> (JSON: pattern → style; validated as you type)")
+        tools = widgets.HBox([header, self.suggest_button, self.simulate_button])
+        plan_tab = widgets.VBox([tools, self.plan_editor, self.validation, self.plan_box])
         load_tab = widgets.VBox([self.chart.widget, self.monitor_box, self.comparison])
         self.tabs = widgets.Tab([plan_tab, load_tab], titles=("Plan", "Load"))
 
@@ -392,3 +384,15 @@ class Dashboard(widgets.VBox):
 
 def _error_html(reason: str) -> str:
     return f'<span style="color:#b00020">{escape(reason)}</span>'
+
+
+def _check_arguments(source: Any, preset: Any, world_size: Any, strategy: Any, cache: Any) -> None:
+    """The Dashboard's arguments, said by name: its controls offer only valid choices, and
+    one it starts with could not be corrected there."""
+    for name, path in (("source", source), ("cache", cache)):
+        if path is not None:
+            check_path_argument(name, path, "a directory (str or os.PathLike)")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    check_world_size(world_size)
+    check_strategy(strategy)

@@ -59,6 +59,9 @@ class LoadMonitor(widgets.VBox):
         clock: Callable[[], float] = time.monotonic,
         schedule: Schedule = timer_thread,
     ):
+        self._stop = threading.Event()  # first: `close` (also run as a refused one is freed)
+        self._unsubscribe: Callable[[], None] | None = None
+        _check_arguments(job, plan)
         self.job = job
         self.plan = job.plan if job is not None else plan
         device = job.device if job is not None else "cpu"
@@ -81,9 +84,7 @@ class LoadMonitor(widgets.VBox):
         self._lock = threading.Lock()
         self._finished = threading.Event()
         self._unreadable = ""  # why the followed events dir cannot be read
-        self._stop = threading.Event()
         self._finish_callbacks: list[Callable[[LoadMonitor], None]] = []
-        self._unsubscribe: Callable[[], None] | None = None
         self._started = time.time()
         self._silence: tuple[float, str] | None = None  # followed files unchanged: (s, dir)
         self.status = widgets.HTML()
@@ -347,3 +348,14 @@ def summary_html(result: LoadResult) -> str:
     lines.append("peak RSS growth counts mmap'd checkpoint pages too")
     table = figures.table_html(headers, rows, "tpviz-summary")
     return f"<div>{'<br>'.join(lines)}</div>{table}"
+
+
+def _check_arguments(job: Any, plan: Any) -> None:
+    """A monitor follows a LoadJob, or (with `from_events_dir`) draws against a plan."""
+    if job is not None and not isinstance(job, LoadJob):
+        hint = "; give a ResolvedPlan as plan=" if isinstance(job, ResolvedPlan) else ""
+        raise TypeError(
+            f"LoadMonitor follows a LoadJob (from tpviz.launch), not a {type(job).__name__}{hint}"
+        )
+    if plan is not None and not isinstance(plan, ResolvedPlan):
+        raise TypeError(f"plan must be a ResolvedPlan (tpviz.resolve_plan), not {plan!r}")

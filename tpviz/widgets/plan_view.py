@@ -162,6 +162,11 @@ class PlanView(widgets.VBox):
     size resolves the plan's own patterns (or the model's default plan) again."""
 
     def __init__(self, plan: ResolvedPlan):
+        if not isinstance(plan, ResolvedPlan):
+            raise TypeError(
+                f"PlanView shows a ResolvedPlan: PlanView(tpviz.resolve_plan(source, "
+                f"world_size)), not {plan!r}"
+            )
         self.plan = plan
         self._listeners: list[Callable[[ResolvedPlan], None]] = []
         self._syncing = False
