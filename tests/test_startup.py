@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tpviz.events import Phase, RankPhase
+from tpviz.messages import Beat
 from tpviz.progress import rank_startup, startup_text
 from tpviz.tracking import ProgressTracker, RankProgress
 
@@ -37,6 +38,18 @@ def test_startup_text_is_final_once_every_rank_is_ready():
         "skeleton 1.00 s"
     )
     assert all(rank_startup(p) is None for p in tracker.ranks.values())
+
+
+def test_a_rank_read_late_was_up_when_it_sent_its_first_heartbeat():
+    """A forked rank can pass every phase before the launcher's pump reads its pipe: its
+    process start ends when it sent its first heartbeat, not when that was read."""
+    done = {RankPhase.STARTING: 100.2, RankPhase.SKELETON: 100.3, RankPhase.READY: 100.4}
+    tracker = tracker_at({0: done}, {0: 100.5})
+    tracker.beat(0, Beat(100.1))
+    assert startup_text(tracker.ranks, 100.0, 999.0) == (
+        "startup 0.40 s: process start 0.10 s · imports 0.10 s · process group 0.10 s · "
+        "skeleton 0.10 s"
+    )
 
 
 def test_ranks_followed_from_event_files_pass_their_unheard_process_start():

@@ -32,7 +32,7 @@ from .liveness import (
     timeout_message,
     unforked_message,
 )
-from .messages import CommandName, EventBatch, Reply
+from .messages import Beat, CommandName, EventBatch, Reply
 from .models import vocab_size
 from .plan import ResolvedPlan
 from .processes import Ranks
@@ -142,7 +142,8 @@ class LoadJob:
             self._receive(message.events)
         elif isinstance(message, Reply):
             self._commands.on_reply(rank, message)
-        # a Beat: hearing the rank (`_heard`) is all it does
+        elif isinstance(message, Beat):  # the first says since when the rank is up
+            self.tracker.beat(rank, message)
 
     def _receive(self, events: list[Event]) -> None:
         for event in events:
@@ -190,8 +191,7 @@ class LoadJob:
         self._fail(LoadError(message, rank, module))
 
     def _ranks_ended(self) -> None:
-        """Every rank is gone: in the events dir, a rank that had not ended its file (the
-        launcher ended it) says how the job ended."""
+        """Every rank is gone: each rank file it left unended in the events dir says why."""
         if self._events_dir and self.result is None:
             why = str(self.error or "the job was shut down before every rank had loaded")
             modules = [self.progress[r].module for r in range(self.plan.world_size)]

@@ -25,6 +25,8 @@ class CommandName(StrEnum):
 class Beat:
     """The rank is alive (sent from process start to exit)."""
 
+    sent: float  # the rank's time.time() as it sent it: the first marks its process up
+
 
 @dataclass(frozen=True, slots=True)
 class EventBatch:

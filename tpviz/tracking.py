@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .events import LAUNCHER_RANK, Done, Error, Event, Phase, RankPhase, UnitDone, UnitStart
+from .messages import Beat
 from .plan import ResolvedPlan
 from .results import RankResult
 
@@ -21,7 +22,10 @@ class RankProgress:
     module: str | None = None  # the unit being loaded
     phase: str = RankPhase.STARTING
     phase_times: dict[str, float] = field(default_factory=dict)  # phase -> when it began
-    first_heard: float | None = None  # when the launcher first heard the rank (its process up)
+    first_heard: float | None = None  # when the launcher first heard the rank
+    # when the rank's process was up (or, warm, had the reload request): its first heartbeat's
+    # own time, which the launcher may read a pump tick later, after the rank's next phases
+    up: float | None = None
     error: str | None = None
     result: RankResult | None = None
 
@@ -32,8 +36,10 @@ class RankProgress:
     def startup_marks(self) -> tuple[float | None, ...]:
         """When each of results.STARTUP_PHASES ended on this rank (None where unknown)."""
         times = self.phase_times
+        up = self.up if self.up is not None else self.first_heard
+        known = [t for t in (up, times.get(RankPhase.STARTING)) if t is not None]
         return (
-            self.first_heard,
+            min(known, default=None),  # up before it says anything else
             times.get(RankPhase.STARTING),
             times.get(RankPhase.SKELETON),
             times.get(RankPhase.READY),
@@ -75,6 +81,11 @@ class ProgressTracker:
         progress = self.ranks.get(rank)
         if progress is not None and progress.first_heard is None:
             progress.first_heard = t
+
+    def beat(self, rank: int, beat: Beat) -> None:
+        progress = self.ranks.get(rank)
+        if progress is not None and progress.up is None:
+            progress.up = beat.sent
 
     def results(self) -> list[RankResult] | None:
         """Every rank's result in rank order, once all are in."""

@@ -66,7 +66,7 @@ def boot(
 
     def heartbeat() -> None:  # silence means frozen: the launcher ends the job
         while True:
-            channel.send(Beat())
+            channel.send(Beat(time.time()))
             time.sleep(beat)
 
     _daemon("tpviz-parent-watch", watch_parent)

@@ -147,7 +147,7 @@ def _serve(loaded: ShardedModel, channel: Channel) -> WorkerSpec | None:
             return None
         if command.name is CommandName.RELOAD:
             # heard at once, so the release of this model is the reload's `imports` phase
-            channel.send(Beat())
+            channel.send(Beat(time.time()))
             return command.args[0]
         reply = _run_command(loaded, command)
         try:
