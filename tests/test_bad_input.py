@@ -688,3 +688,18 @@ def test_load_sharded_outside_a_process_group_says_how_to_run_it(ck, monkeypatch
     monkeypatch.delenv("RANK", raising=False)  # torch's error named only this variable
     with pytest.raises(ValueError, match=r"run the script under torchrun \(torchrun --nproc"):
         tpviz.load_sharded(ck)
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number of seconds"):
+        tpviz.load_sharded(ck, timeout=0)
+
+
+def test_load_sharded_in_the_callers_group_leaves_its_timeout_to_the_caller(ck, tmp_path):
+    import torch.distributed as dist
+
+    import tpviz
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"yours exists: give it to init_process_group\("):
+            tpviz.load_sharded(ck, timeout=5)
+    finally:
+        dist.destroy_process_group()

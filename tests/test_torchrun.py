@@ -97,3 +97,12 @@ def test_a_rank_asked_for_another_load_or_to_write_into_the_checkpoint_fails_the
     assert run.returncode != 0
     assert "rank 1: asked for strategy rank0_broadcast" in run.stderr
     assert "every rank must ask for the same load" in run.stderr
+
+
+def test_a_peer_that_exits_before_load_sharded_is_waited_for_only_the_timeout(tmp_path, tiny):
+    """torchrun ends every rank when one fails, but not when one exits 0: the others would
+    wait in the process group's rendezvous for torch's default 30 minutes."""
+    run = _torchrun_load(tmp_path, str(tiny), str(tmp_path / "ev"), "exit")
+    assert run.returncode != 0
+    assert "rank 0: not every rank of 2 called load_sharded within 5.0 s" in run.stderr
+    assert "one exited or failed before it" in run.stderr

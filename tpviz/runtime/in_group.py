@@ -9,12 +9,14 @@ follower of the events dir (`LoadMonitor.from_events_dir`) sees how the job ende
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..events import remove_rank_files
+from ..liveness import check_seconds
 from ..outputs import OutputPathError, check_output_dir
 from ..plan import ResolvedPlan, resolve_plan
 from ..plan.patterns import load_plan_patterns
@@ -41,6 +43,7 @@ def load_sharded(
     profile_forward: bool = False,
     kv_replication: bool = True,
     experts: str = "tp",
+    timeout: float | None = None,
 ) -> ShardedModel:
     """Load a model tensor-parallel inside the caller's process group (e.g. under torchrun).
 
@@ -48,18 +51,14 @@ def load_sharded(
     on CUDA). Rank 0 resolves the plan and sends it to the others, so every rank executes the
     same plan; the other ranks need only `config.json` (and, except for rank0_broadcast, the
     weights). With `events_dir`, each rank writes its events to `rank{r}.jsonl` there.
-    `kv_replication` and `experts` choose as in `resolve_plan`.
+    `kv_replication` and `experts` choose as in `resolve_plan`. `timeout` (seconds), for the
+    group load_sharded makes: every rank must call it within that time (a peer that exited
+    first is not waited for 30 minutes), and it bounds each collective of the load.
     """
     keep_torch_cache_out_of_tmpdir()  # before a transformers model or a forward imports dynamo
+    check_seconds("timeout", timeout)
     local = rank_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:  # torch's own error names only the variable
-            raise ValueError(
-                "load_sharded loads inside a process group: run the script under torchrun "
-                "(torchrun --nproc-per-node N script.py), or init one first; tpviz.launch "
-                "starts ranks of its own"
-            )
-        init_group(local)
+    _join_group(local, timeout)
     choices = dict(dtype=dtype, model=model, kv_replication=kv_replication, experts=experts)
     options = LoadOptions(strategy, init, seed, memory_hz, profile_dir, profile_forward)
     rank = dist.get_rank()
@@ -74,6 +73,32 @@ def load_sharded(
         raise
     finally:
         sink.close()
+
+
+def _join_group(device: torch.device, timeout: float | None) -> None:
+    """The default process group: the caller's, or one made from torchrun's environment."""
+    if dist.is_initialized():
+        if timeout is not None:
+            raise ValueError(
+                "timeout bounds the process group load_sharded makes, and yours exists: give "
+                "it to init_process_group(timeout=...) instead"
+            )
+        return
+    if "RANK" not in os.environ:  # torch's own error names only the variable
+        raise ValueError(
+            "load_sharded loads inside a process group: run the script under torchrun "
+            "(torchrun --nproc-per-node N script.py), or init one first; tpviz.launch "
+            "starts ranks of its own"
+        )
+    limit = {"timeout": timedelta(seconds=timeout)} if timeout is not None else {}
+    try:
+        init_group(device, **limit)
+    except dist.DistStoreError as e:  # a peer never came (it exited, or failed, first)
+        within = f"{timeout} s" if timeout is not None else "the process group's timeout"
+        raise TimeoutError(
+            f"rank {os.environ['RANK']}: not every rank of {os.environ.get('WORLD_SIZE')} "
+            f"called load_sharded within {within}: one exited or failed before it ({e})"
+        ) from None
 
 
 def _own_events_dir(
