@@ -20,7 +20,7 @@ from multiprocessing import util as mp_util
 PREFIX = "tpviz-"
 LOCK = "owner.lock"
 MP_PREFIX = "pymp-"  # multiprocessing's temp dir: ours to remove when it holds our lock
-_temp_dir_lock: int | None = None  # the fd whose flock marks multiprocessing's temp dir ours
+_temp_dir_locked = False  # once tried: a second flock of ours would wait on the first
 _temp_dir_guard = threading.Lock()
 
 
@@ -49,13 +49,24 @@ def remove_stale_workdirs() -> None:
 def private_temp_dir() -> str:
     """This process's temp dir: multiprocessing's, which it removes at exit, locked like a
     workdir so that the next launcher removes it if this process was killed."""
-    global _temp_dir_lock
+    global _temp_dir_locked
     path = mp_util.get_temp_dir()
     with _temp_dir_guard:
-        if _temp_dir_lock is None:  # locked once: a second flock of ours would wait on the first
-            _temp_dir_lock = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(_temp_dir_lock, fcntl.LOCK_EX)  # held for as long as this process lives
+        if not _temp_dir_locked:
+            _temp_dir_locked = True
+            _lock_for_life(os.path.join(path, LOCK))
     return path
+
+
+def _lock_for_life(lock: str) -> None:
+    """Hold `lock` for as long as this process lives (the fd stays open), unless another
+    process holds it: a forked rank's temp dir can be the one its launcher made and locked,
+    and waiting for that lock would hang the rank for the launcher's whole life."""
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
 
 
 def keep_torch_cache_out_of_tmpdir() -> None:
@@ -63,6 +74,5 @@ def keep_torch_cache_out_of_tmpdir() -> None:
     DTensor) makes its cache dir in $TMPDIR as it is imported, and nothing removes it: this
     process's goes into its private temp dir instead, removed at exit (the forkserver's goes
     there too, see start_server), unless the caller chose a cache dir."""
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR", os.path.join(private_temp_dir(), "torchinductor")
-    )
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(private_temp_dir(), "torchinductor")
