@@ -32,7 +32,7 @@ from .liveness import (
     timeout_message,
     unforked_message,
 )
-from .messages import Beat, CommandName, EventBatch, Reply
+from .messages import VERIFY_COMMANDS, Beat, CommandName, EventBatch, Reply
 from .models import vocab_size
 from .plan import ResolvedPlan
 from .processes import Ranks
@@ -291,7 +291,7 @@ class LoadJob:
 
     def _admit(self, name: CommandName) -> None:
         """Raise unless the ranks can run command `name` now (called under `_cond`)."""
-        verifying = self.state is JobState.VERIFYING and name is CommandName.FORWARD
+        verifying = self.state is JobState.VERIFYING and name in VERIFY_COMMANDS
         if self.state is not JobState.LOADED and not verifying:
             why = f" ({self.error})" if self.error is not None else ""
             raise LoadError(f"the job is {self.state}{why}; commands need a loaded model")

@@ -21,6 +21,10 @@ class CommandName(StrEnum):
     RELOAD = "reload"  # args: the next load's WorkerSpec; answered by that load's events
 
 
+# What a job sends while it verifies: the forward, and the barrier after a failed command.
+VERIFY_COMMANDS = frozenset({CommandName.FORWARD, CommandName.CHECK_GROUP})
+
+
 @dataclass(frozen=True, slots=True)
 class Beat:
     """The rank is alive (sent from process start to exit)."""
