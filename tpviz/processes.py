@@ -208,8 +208,10 @@ class Ranks:
 
 def _end_what_it_left(pid: int) -> None:
     """Kill what an ended rank started and left running (a program a `job.call` ran): it is
-    in the process group the rank led (heartbeat.boot). The group's id cannot be given to a
-    new process while any of its members lives, so this reaches them and nothing else."""
+    in the process group the rank led (heartbeat.boot). The group's id is the rank's pid,
+    which is not handed out again while any member lives; once none does, another process
+    could lead a group of that id only after the system has gone through every other pid,
+    and this runs as the ranks are seen ended (a job ends all its ranks when one is gone)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
 
