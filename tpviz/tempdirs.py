@@ -20,7 +20,7 @@ from multiprocessing import util as mp_util
 PREFIX = "tpviz-"
 LOCK = "owner.lock"
 MP_PREFIX = "pymp-"  # multiprocessing's temp dir: ours to remove when it holds our lock
-_temp_dir_locked = False  # once tried: a second flock of ours would wait on the first
+_temp_dir_locked = False  # tried once per process: the fd that holds it stays open for life
 _temp_dir_guard = threading.Lock()
 
 
