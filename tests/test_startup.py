@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from tpviz.events import Phase, RankPhase
 from tpviz.messages import Beat
 from tpviz.progress import rank_startup, startup_text
@@ -65,10 +67,8 @@ def test_the_monitor_shows_startup_on_its_chart_until_loading_begins(tiny):
     import tpviz
     from tpviz.plan import resolve_plan
 
-    ticks = iter(range(0, 10**6, 10))  # every redraw is due at once, run in this thread
-    monitor = tpviz.LoadMonitor(
-        plan=resolve_plan(tiny, 2), clock=lambda: next(ticks), schedule=lambda _, fn: fn()
-    )
+    # every event drawn as it comes, in this thread
+    monitor = tpviz.LoadMonitor(plan=resolve_plan(tiny, 2), max_rate=math.inf)
     t = monitor._started
     monitor.feed([Phase(0, t + 1.0, name=RankPhase.STARTING)])
     note = monitor.chart.figure.layout.annotations[0].text

@@ -33,6 +33,7 @@ from tpviz.job import LoadJob
 from tpviz.plan import RankShard, TensorPlan, forecast, local_shape, resolve_plan, shard_blocks
 from tpviz.report import html_report, write_html_report
 from tpviz.widgets import figures
+from tpviz.widgets.monitor import MAX_UPDATES_PER_SECOND
 from tpviz.widgets.throttle import Throttle
 
 WAIT = 120  # seconds: generous bound for a tiny 2-rank load
@@ -330,7 +331,11 @@ def test_throttle_caps_a_burst_of_ten_thousand_requests():
 def test_monitor_redraws_at_most_ten_times_a_second_however_many_events(tiny):
     fake = FakeTime()
     plan = resolve_plan(tiny, 2)
-    monitor = tpviz.LoadMonitor(plan=plan, clock=fake.clock, schedule=fake.schedule)
+    monitor = tpviz.LoadMonitor(plan=plan)
+    # the monitor's own throttle, on the test's clock: time moves only as the events say
+    monitor._throttle = Throttle(
+        monitor._refresh, MAX_UPDATES_PER_SECOND, clock=fake.clock, schedule=fake.schedule
+    )
     start = monitor.updates
     t = 1000.0
     for i in range(10_000):  # one event every 0.1 ms: 1 s of events
@@ -406,6 +411,9 @@ def test_widgets_refuse_arguments_of_the_wrong_kind_naming_them(tiny):
         tpviz.LoadMonitor(plan)
     with pytest.raises(TypeError, match="LoadMonitor follows a LoadJob .*, not a str"):
         tpviz.LoadMonitor(str(tiny))
+    for rate in (0, -1.0, "10", True):
+        with pytest.raises(ValueError, match="max_rate must be a number of redraws a second"):
+            tpviz.LoadMonitor(plan=plan, max_rate=rate)
     with pytest.raises(
         TypeError, match=r"PlanView shows a ResolvedPlan: PlanView\(tpviz.resolve_plan"
     ):
@@ -690,8 +698,7 @@ def test_cancel_button_really_cancels(tiny):
 
 
 def test_events_carry_what_the_monitor_tracks():
-    fake = FakeTime()
-    monitor = tpviz.LoadMonitor(clock=fake.clock, schedule=fake.schedule)
+    monitor = tpviz.LoadMonitor(max_rate=math.inf)  # every event drawn as it comes
     monitor.feed(
         [
             Phase(0, 1.0, name="loading"),
@@ -700,7 +707,6 @@ def test_events_carry_what_the_monitor_tracks():
             UnitStart(0, 1.3, module="b", bytes=4, index=1, total=2),
         ]
     )
-    fake.drain()  # the trailing redraw, due after the throttle's interval
     bar, text = monitor._bars[0]
     assert (bar.value, bar.max) == (1, 2) and "1/2 modules" in text.value and "· b" in text.value
     monitor.feed(
@@ -721,7 +727,6 @@ def test_events_carry_what_the_monitor_tracks():
             )
         ]
     )
-    fake.drain()
     assert monitor.wait(5)["ranks"][0]["param_bytes"] == 12
 
 

@@ -28,7 +28,7 @@ from ..results import LoadResult, RankResult, slowest_load
 from ..tracking import ProgressTracker
 from . import figures
 from .chart import MemoryChart
-from .throttle import Schedule, Throttle, timer_thread
+from .throttle import Throttle
 
 MAX_UPDATES_PER_SECOND = 10.0
 
@@ -45,7 +45,7 @@ class LoadMonitor(widgets.VBox):
 
     Memory per rank over time with its forecasts, a progress bar per rank, a status line, a
     Cancel button, and after loading a summary table with the verification result. Pass
-    `chart` to draw into a shared `MemoryChart`; `clock` and `schedule` drive the throttle.
+    `chart` to draw into a shared `MemoryChart`; `max_rate` caps redraws a second.
     """
 
     def __init__(
@@ -56,12 +56,10 @@ class LoadMonitor(widgets.VBox):
         chart: MemoryChart | None = None,
         label: str | None = None,
         max_rate: float = MAX_UPDATES_PER_SECOND,
-        clock: Callable[[], float] = time.monotonic,
-        schedule: Schedule = timer_thread,
     ):
         self._stop = threading.Event()  # first: `close` (also run as a refused one is freed)
         self._unsubscribe: Callable[[], None] | None = None
-        _check_arguments(job, plan)
+        _check_arguments(job, plan, max_rate)
         self.job = job
         self.plan = job.plan if job is not None else plan
         device = job.device if job is not None else "cpu"
@@ -94,7 +92,7 @@ class LoadMonitor(widgets.VBox):
         self.cancel_button.on_click(lambda _: self.cancel())
         self.progress = widgets.VBox()
         self.summary = widgets.HTML()
-        self._throttle = Throttle(self._refresh, max_rate, clock=clock, schedule=schedule)
+        self._throttle = Throttle(self._refresh, max_rate)
         children = [widgets.HTML(_CSS), self.status]
         if chart is None:
             children.append(self.chart.widget)
@@ -350,8 +348,9 @@ def summary_html(result: LoadResult) -> str:
     return f"<div>{'<br>'.join(lines)}</div>{table}"
 
 
-def _check_arguments(job: Any, plan: Any) -> None:
-    """A monitor follows a LoadJob, or (with `from_events_dir`) draws against a plan."""
+def _check_arguments(job: Any, plan: Any, max_rate: Any) -> None:
+    """A monitor follows a LoadJob, or (with `from_events_dir`) draws against a plan, and
+    redraws some positive number of times a second (`math.inf`: at every event)."""
     if job is not None and not isinstance(job, LoadJob):
         hint = "; give a ResolvedPlan as plan=" if isinstance(job, ResolvedPlan) else ""
         raise TypeError(
@@ -359,3 +358,5 @@ def _check_arguments(job: Any, plan: Any) -> None:
         )
     if plan is not None and not isinstance(plan, ResolvedPlan):
         raise TypeError(f"plan must be a ResolvedPlan (tpviz.resolve_plan), not {plan!r}")
+    if isinstance(max_rate, bool) or not isinstance(max_rate, int | float) or not max_rate > 0:
+        raise ValueError(f"max_rate must be a number of redraws a second above 0, not {max_rate!r}")
