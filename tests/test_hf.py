@@ -186,6 +186,11 @@ def _weight_std(model, name):
     return local_of(model.get_parameter(name)).std().item()
 
 
+def _tensor_values(model, module):
+    """A module's own parameters as lists (its buffers are checked by verify and init_check)."""
+    return {n: p.tolist() for n, p in model.get_submodule(module).named_parameters()}
+
+
 def test_moe_expert_styles_plan_and_styles_still_unsupported_are_reported(tmp_path, cli):
     config = transformers.MixtralConfig(
         vocab_size=1000,
@@ -288,9 +293,10 @@ def test_code_shipped_with_a_checkpoint_runs_only_when_asked(hf_models, tmp_path
 
 
 @pytest.mark.slow
-def test_random_init_draws_what_an_ancestor_sets_and_refuses_what_nothing_sets(tmp_path):
+def test_random_init_draws_what_an_ancestor_sets_and_defaults_what_nothing_sets(tmp_path):
     # Qwen3.5-MoE's router weight is drawn by its sparse block's init, not the router's own;
-    # Apertus' xIELU alphas are set only when the class is built, by no init at all
+    # Apertus' xIELU alphas (and saved beta, eps) are set only when the class is built, by no
+    # init at all: tpviz's default draws them, and the result names them
     small = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16)
     qwen = transformers.AutoConfig.for_model(
@@ -317,7 +323,12 @@ def test_random_init_draws_what_an_ancestor_sets_and_refuses_what_nothing_sets(t
         tied = first.reload(source=tmp_path / "ctrl")
         result = tied.wait(180)
         assert result["init_check"]["ok"] and result["verify"]["ok"], result["init_check"]
-        with pytest.raises(
-            tpviz.LoadError, match=r"XIELUActivation\.alpha_p, alpha_n: .* no value"
-        ):
-            tied.reload(source=tmp_path / "apertus").wait(180)
+        built = tied.reload(source=tmp_path / "apertus")
+        result = built.wait(180)
+        assert result["init_check"]["ok"] and result["verify"]["ok"], result["init_check"]
+        assert result["init_check"]["drawn_without_init"] == [
+            f"XIELUActivation.{n}" for n in ("alpha_n", "alpha_p", "beta", "eps")
+        ]
+        act = "model.layers.0.mlp.act_fn"
+        assert built.call(_tensor_values, act) == [{"alpha_n": [1.0], "alpha_p": [1.0]}] * 2
+

@@ -174,6 +174,13 @@ def _init_check_lines(check: dict[str, Any] | None) -> list[str]:
     else:
         same = "yes" if check["matches_single_process"] else f"NO, e.g. {check['mismatched'][:3]}"
         lines.append(f"  equal to a single-process init with the same seed: {same}")
+    if check.get("drawn_without_init"):
+        lines.append(
+            "  the model's init gives no value to "
+            f"{', '.join(check['drawn_without_init'])} (its class sets them when built): drawn "
+            "by tpviz's default instead (matrices normal(0, initializer_range), biases 0, "
+            "others 1)"
+        )
     return lines
 
 

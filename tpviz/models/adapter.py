@@ -107,6 +107,11 @@ class ModelAdapter:
             )
         reset()
 
+    def drawn_without_init(self) -> list[str]:
+        """The parameters (`Class.name`) `init_module` drew by a default of tpviz's because
+        the model's own init gives them no value; the report of a random init names them."""
+        return []
+
     def logits(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids)
 

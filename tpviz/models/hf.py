@@ -61,6 +61,7 @@ class HFAdapter(ModelAdapter):
         self.source = source
         self.trust_remote_code = trust_remote_code
         self._tree: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._drawn_without_init: set[str] = set()  # Class.param, for init="random"'s report
         self.hf_config = self._config(config)
 
     def _config(self, config: dict[str, Any]):
@@ -162,7 +163,7 @@ class HFAdapter(ModelAdapter):
             for name in meta:
                 module._buffers[name] = _unset_like(module._buffers[name], device)
             with torch.no_grad():
-                unset = self._init_until_set(model, module, module._buffers, meta)
+                unset = self._init_until_set(model, module, meta)
             if unset:
                 raise ConfigError(
                     f"{type(module).__name__}.{', '.join(unset)}: transformers' _init_weights "
@@ -178,41 +179,61 @@ class HFAdapter(ModelAdapter):
         shift every later draw. The tensors are then flagged initialised, as transformers
         flags them, so that the ancestors of a module initialised later leave them as they
         are. They start as NaN, so that one no init draws is found, not left holding whatever
-        memory held."""
+        memory held: it is drawn by tpviz's default, and the report names it."""
         from transformers.initialization import guard_torch_init_functions
 
         own = {  # a tensor tied to one initialised before, or one still on meta (another
-            # unit's, tied here), is left as it is
+            # unit's, tied here), is left as it is; computed buffers have their values
             n: t
             for n, t in module.named_parameters(recurse=False)
             if not getattr(t, "_is_hf_initialized", False) and not t.is_meta
+        } | {
+            n: b
+            for n, b in module.named_buffers(recurse=False)
+            if n not in module._non_persistent_buffers_set and not b.is_meta
         }
         with torch.no_grad(), guard_torch_init_functions():
             for tensor in own.values():
                 local_of(tensor).fill_(float("nan") if tensor.is_floating_point() else 0)
-            unset = self._init_until_set(model, module, module._parameters, list(own))
-        if unset:
-            raise ConfigError(
-                f"{type(module).__name__}.{', '.join(unset)}: transformers' _init_weights gives "
-                "this parameter no value (its class sets it when built), so init='random' "
-                "cannot draw it; load the model from a checkpoint"
-            )
+            unset = self._init_until_set(model, module, list(own))
+            for name in unset:
+                self._draw_without_init(_own_tensor(module, name), name)
+        self._drawn_without_init.update(f"{type(module).__name__}.{n}" for n in unset)
         for tensor in own.values():
             tensor._is_hf_initialized = True
+
+    def _draw_without_init(self, tensor: torch.Tensor, name: str) -> None:
+        """A value for a parameter or saved buffer no `_init_weights` sets (its class sets it
+        as it is built: GPT-1's Conv1D weights, Apertus' xIELU slopes), which a meta build
+        never ran: drawn
+        as transformers' default init draws a tensor of its kind, from the config's
+        `initializer_range`: a matrix from a normal distribution, a bias zero, any other
+        vector or scalar one."""
+        local = local_of(tensor)
+        if tensor.dim() >= 2:
+            local.normal_(0.0, self._initializer_range())
+        else:
+            local.fill_(0.0 if "bias" in name else 1.0)
+
+    def _initializer_range(self) -> float:
+        std = getattr(self.hf_config.get_text_config(), "initializer_range", None)
+        return float(std) if isinstance(std, int | float) and std > 0 else 0.02
+
+    def drawn_without_init(self) -> list[str]:
+        return sorted(self._drawn_without_init)
 
     def _init_until_set(
         self,
         model: nn.Module,
         module: nn.Module,
-        held: Mapping[str, torch.Tensor],
         names: list[str],
     ) -> list[str]:
         """Run the init of `module`, then of each ancestor outward, until none of its tensors
-        `names` (filled with NaN; in `held`, its `_parameters` or `_buffers`, read after each
-        init, which may replace them) holds NaN; the names of those still unset."""
+        `names` (filled with NaN; read after each init, which may replace them) holds NaN;
+        the names of those still unset."""
         for owner, init in self._inits_outward(model, module):
             init(owner)
-            unset = [n for n in names if _unset(held[n])]
+            unset = [n for n in names if _unset(_own_tensor(module, n))]
             if not unset:
                 break
         return unset
@@ -247,6 +268,12 @@ class HFAdapter(ModelAdapter):
 
     def logits(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, use_cache=False).logits
+
+
+def _own_tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """`module`'s own parameter or buffer `name` (a name is one or the other, never both)."""
+    held = module._parameters if name in module._parameters else module._buffers
+    return held[name]
 
 
 def _unset(tensor: torch.Tensor) -> bool:

@@ -58,6 +58,7 @@ def check_random_init(ctx: LoadContext, options: LoadOptions, config: dict) -> d
         mismatched = _compare_with_single_process(ctx, config, options.seed)
         report.update(matches_single_process=not mismatched, mismatched=mismatched[:20])
     report["ok"] = not inconsistent and not report["mismatched"]
+    report["drawn_without_init"] = ctx.adapter.drawn_without_init()
     return report
 
 
