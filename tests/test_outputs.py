@@ -18,7 +18,7 @@ import torch
 import tpviz
 from tpviz.capacity import RANK_PRIVATE_BYTES, host_shortfall
 from tpviz.cli import main
-from tpviz.events import Done, Phase
+from tpviz.events import Done, Phase, read_events_dir, refuse_if_written
 from tpviz.launcher import check_memory
 from tpviz.outputs import OutputPathError, OutputWriteError, write_text
 from tpviz.runtime.sink import EventSink
@@ -137,6 +137,28 @@ def test_an_events_file_on_a_full_disk_is_reported_not_raised(tmp_path):
     assert [e.type for e in delivered] == ["phase", "done"]  # the viewers still get them
     (error,) = delivered[1].result["output_errors"]
     assert error["path"] == str(events) and "rank0.jsonl: No space left" in error["message"]
+
+
+def test_an_events_dir_another_running_load_writes_is_refused(tmp_path, tiny, capsys):
+    """Each rank holds its events file's lock until its done: a second load into the same dir
+    is refused before any rank starts, and a rank that meets a held file leaves it alone."""
+    events = tmp_path / "events"
+    running = EventSink(0, events_dir=events)  # what a running load's rank 0 holds
+    running.emit(Phase(0, 1.0, name="loading"))
+    assert main(["load", str(tiny), "--events", str(events), "--json"]) == 2
+    (error,) = json.loads(capsys.readouterr().out)["errors"]
+    assert error["message"] == (
+        f"events dir {events}: rank0.jsonl is being written by another running load; "
+        "give each load its own events dir"
+    )
+    assert children() == []
+    late = EventSink(0, events_dir=events)  # one that got past the check meanwhile
+    late.emit(Done(0, 2.0, result={"rank": 0}))
+    assert "being written by another running load" in late.file_error["message"]
+    assert [e.t for e in read_events_dir(events)] == [1.0]  # not emptied, not mixed
+    running.emit(Done(0, 3.0, result={"rank": 0}))  # its file ends, and its lock goes
+    refuse_if_written(events)
+    running.close()
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 import tpviz
-from tpviz.events import Done, Error, Memory, UnitDone, UnitStart, read_events_dir
+from tpviz.events import Done, Error, Memory, Phase, UnitDone, UnitStart, read_events_dir
+from tpviz.runtime.sink import EventSink
 from tpviz.plan import resolve_plan
 
 from .conftest import REPO
@@ -97,6 +98,15 @@ def test_a_rank_asked_for_another_load_or_to_write_into_the_checkpoint_fails_the
     assert run.returncode != 0
     assert "rank 1: asked for strategy rank0_broadcast" in run.stderr
     assert "every rank must ask for the same load" in run.stderr
+    # another load still writes this events dir (its rank 0 holds its file, as a sink does)
+    busy = tmp_path / "busy"
+    other = EventSink(0, events_dir=busy)
+    other.emit(Phase(0, 1.0, name="loading"))
+    run = _torchrun_load(tmp_path, str(tiny), str(busy))
+    other.close()
+    assert run.returncode != 0
+    assert f"rank 0: events dir {busy}: rank0.jsonl is being written by another" in run.stderr
+    assert [e.t for e in read_events_dir(busy) if e.rank == 0] == [1.0]  # left as it was
 
 
 def test_a_peer_that_exits_before_load_sharded_is_waited_for_only_the_timeout(tmp_path, tiny):

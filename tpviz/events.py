@@ -7,6 +7,8 @@ event has `v` (format version), `type`, `rank` and `t` (Unix time, seconds).
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import math
 import os
@@ -15,11 +17,14 @@ from collections.abc import Iterator
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
+
+from .outputs import OutputPathError
 
 VERSION = 1
 LAUNCHER_RANK = -1  # the `rank` of the events the launcher itself makes (its job's states)
 JOB_ENDED = "the job ended: "  # how the launcher's end of a rank's file begins
+BUSY = "is being written by another running load; give each load its own events dir"
 
 
 class RankPhase(StrEnum):
@@ -177,6 +182,42 @@ def rank_files(directory: str | os.PathLike) -> dict[int, Path]:
     """The `rank{r}.jsonl` files of an events dir by rank, in rank order."""
     paths = Path(directory).glob("rank*.jsonl")
     return dict(sorted((int(p.stem[4:]), p) for p in paths if p.stem[4:].isdigit()))
+
+
+def hold_while_writing(file: IO) -> None:
+    """Take the lock a rank holds on its events file while it writes it (until its `done`,
+    or its end), so that another load is refused the same dir; OSError (EBUSY) if another
+    running load holds it. Where the file system has no locks, nothing is held."""
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise OSError(errno.EBUSY, BUSY) from None
+    except OSError:  # no flock here (some network file systems): nothing to hold
+        pass
+
+
+def _being_written(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:  # the lock, if taken, goes with the file
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # gone meanwhile, or no flock here
+        pass
+    return False
+
+
+def refuse_if_written(directory: str | os.PathLike, beyond: int = 0) -> None:
+    """Refuse an events dir in which a running load writes rank 0's file or a file of rank
+    `beyond` and up (OutputPathError, naming them): two loads in one dir would mix their
+    events in one file. Rank 0's is checked whatever `beyond` is, as every load has one."""
+    busy = [
+        p.name
+        for rank, p in rank_files(directory).items()
+        if (rank >= beyond or rank == 0) and _being_written(p)
+    ]
+    if busy:
+        raise OutputPathError(f"events dir {directory}: {', '.join(busy)} {BUSY}")
 
 
 def remove_rank_files(directory: str | os.PathLike, beyond: int = 0) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..events import remove_rank_files
+from ..events import refuse_if_written, remove_rank_files
 from ..liveness import check_seconds
 from ..outputs import OutputPathError, check_output_dir
 from ..plan import ResolvedPlan, resolve_plan
@@ -106,16 +106,18 @@ def _own_events_dir(
 ) -> tuple[str | None, str | None]:
     """(where this rank writes its events from the start, so that even a failure before
     loading ends its file; why it cannot, which `_agree` says on every rank). Each rank's
-    file starts empty; rank 0 removes the files of ranks beyond this world (an earlier,
-    larger load's), which a follower would take for this load's."""
+    file starts empty; rank 0 refuses a dir another running load writes in, and removes the
+    files of ranks beyond this world (an earlier, larger load's), which a follower would take
+    for this load's."""
     if not events_dir:
         return None, None
     try:
         directory = check_output_dir(events_dir, "events dir", source)
+        if dist.get_rank() == 0:  # the others may have begun theirs: see refuse_if_written
+            refuse_if_written(directory, beyond=dist.get_world_size())
+            remove_rank_files(directory, beyond=dist.get_world_size())
     except OutputPathError as e:
         return None, str(e)
-    if dist.get_rank() == 0:
-        remove_rank_files(directory, beyond=dist.get_world_size())
     return directory, None
 
 

@@ -12,12 +12,13 @@ the rank's `done` result (`output_errors`) instead of ending the rank.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ..events import Done, Error, Event, Phase, encode, events_file
+from ..events import Done, Error, Event, Phase, encode, events_file, hold_while_writing
 from ..messages import EventBatch
 from ..outputs import write_error
 
@@ -46,7 +47,16 @@ class EventSink:
 
     def _open(self, events_dir: str | os.PathLike) -> None:
         os.makedirs(events_dir, exist_ok=True)
-        self._file = open(events_file(events_dir, self.rank), "w", encoding="utf-8")  # noqa: SIM115
+        # emptied only once its lock is held: another running load's file is left as it is
+        file = open(events_file(events_dir, self.rank), "a", encoding="utf-8")  # noqa: SIM115
+        try:
+            hold_while_writing(file)
+            if stat.S_ISREG(os.fstat(file.fileno()).st_mode):  # as "w" would (not a device)
+                file.truncate(0)
+        except OSError:
+            file.close()
+            raise
+        self._file = file
 
     def _to_file(self, write: Callable[[], None]) -> None:
         """Run one file operation; on failure note it and write no more."""
@@ -74,8 +84,10 @@ class EventSink:
                 self._to_file(lambda: self._file.write(line))
             if urgent and self._file is not None:  # so that `done` knows whether it was written
                 self._to_file(self._file.flush)
-            if isinstance(event, Done) and self.file_error is not None:
-                event.result.setdefault("output_errors", []).append(self.file_error)
+            if isinstance(event, Done):
+                self._close_file()  # a load's file ends with its done: its lock goes too
+                if self.file_error is not None:
+                    event.result.setdefault("output_errors", []).append(self.file_error)
             self._pending.append(event)
         if due or urgent:
             self.flush()
