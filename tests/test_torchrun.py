@@ -11,8 +11,8 @@ import pytest
 
 import tpviz
 from tpviz.events import Done, Error, Memory, Phase, UnitDone, UnitStart, read_events_dir
-from tpviz.runtime.sink import EventSink
 from tpviz.plan import resolve_plan
+from tpviz.runtime.sink import EventSink
 
 from .conftest import REPO
 
