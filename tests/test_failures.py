@@ -425,6 +425,34 @@ def test_a_program_read_from_stdin_is_told_to_run_from_a_file(tmp_path, tiny):
 
 
 @pytest.mark.slow
+def test_a_rank_killed_while_running_a_command_says_so_and_what_sends_sigkill(tiny, tmp_path):
+    """The kernel's out-of-memory killer ends a rank with SIGKILL, as `kill -9` does: the
+    error says which command the rank was running when it died."""
+    with tpviz.launch(tiny, 2) as job:
+        job.wait(120)
+        failed: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                job.call("tests.helpers:wait_for_go", str(tmp_path))
+            except tpviz.LoadError as e:
+                failed.append(e)
+
+        calling = threading.Thread(target=call)
+        calling.start()
+        deadline = time.monotonic() + PROMPT
+        while len(list(tmp_path.glob("started*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(job._procs[1].pid, signal.SIGKILL)
+        calling.join(PROMPT)
+    assert [str(e) for e in failed] == [
+        "rank 1 died (SIGKILL, from outside the job: kill -9, or the kernel as memory ran "
+        "out) while running call"
+    ]
+    assert children() == []
+
+
+@pytest.mark.slow
 def test_cancel_during_a_reload_and_a_rank_dying_between_loads(tiny):
     job = tpviz.launch(tiny, 2)
     job.wait(120)
@@ -454,7 +482,7 @@ def test_cancel_during_a_reload_and_a_rank_dying_between_loads(tiny):
     programs = job.call("tests.helpers:start_program")
     os.kill(job._procs[1].pid, signal.SIGKILL)
     for _ in range(2):  # the command that meets the death, then one on the failed job
-        with pytest.raises(tpviz.LoadError, match=r"rank 1 died \(signal 9"):
+        with pytest.raises(tpviz.LoadError, match=r"rank 1 died \(SIGKILL"):
             job.forward([[1, 2, 3]])
     assert all(_alive(p) for p in programs)  # rank 1's is orphaned, rank 0's still its own
     job.shutdown()

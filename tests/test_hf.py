@@ -331,4 +331,3 @@ def test_random_init_draws_what_an_ancestor_sets_and_defaults_what_nothing_sets(
         ]
         act = "model.layers.0.mlp.act_fn"
         assert built.call(_tensor_values, act) == [{"alpha_n": [1.0], "alpha_p": [1.0]}] * 2
-

@@ -165,6 +165,12 @@ def fails_deep_down(model):
     raise RuntimeError("first line\nsecond line")
 
 
+def allocates_more_than_there_is(model):
+    import torch
+
+    return torch.empty(2**50, dtype=torch.uint8)  # a pebibyte: refused by the allocator
+
+
 def returns_what_cannot_be_sent(model):
     return lambda: None
 
@@ -177,6 +183,11 @@ def test_a_failed_call_is_one_line_with_the_traceback_beside_it_and_the_job_live
     assert "Traceback" in error.traceback and "fails_deep_down" in error.traceback
     with pytest.raises(tpviz.LoadError, match="its result cannot be sent back: .*pickle"):
         job2.call(returns_what_cannot_be_sent)
+    with pytest.raises(tpviz.LoadError, match=r"call failed: RuntimeError: .*CPUAllocator") as oom:
+        job2.call(allocates_more_than_there_is)
+    assert str(oom.value).endswith(
+        "(the rank ran out of memory: give it a smaller input, or load over more ranks)"
+    )
     assert job2.state == "loaded" and len(job2.call(shard_fingerprint, "model.norm.weight")) == 2
     # what the ranks could not import by name is said before anything is sent
     for fn, words in [

@@ -89,8 +89,7 @@ class LoadJob:
         self._ranks = ranks = warm or Ranks()
         self._procs = ranks.procs
         self._commands = CommandChannel(ranks, plan.world_size, self._cond)
-        # at collection or interpreter exit: end the ranks, remove the temp dir
-        self._finalizer = weakref.finalize(self, ranks.request_close)
+        self._finalizer = weakref.finalize(self, ranks.request_close)  # at collection or exit
         self._events_dir = events_dir
         spec = self._spec(events_dir)
         if warm is None:
@@ -165,8 +164,9 @@ class LoadJob:
             if server_lost(self._procs[rank].pid, exited[rank]):
                 stop_server()  # what is left of it: the next launch starts a new one
                 return self._fail(LoadError(server_lost_message()))
-            loading = self.state is JobState.STARTING
-            message = death_message(rank, exited[rank], self.progress[rank], loading, self._warm)
+            loading, running = self.state is JobState.STARTING, self._commands.running
+            progress = self.progress[rank]
+            message = death_message(rank, exited[rank], progress, loading, self._warm, running)
             return self._rank_failed(rank, message)
         now = time.monotonic()
         if self._deadline and self.state is JobState.STARTING and now > self._deadline:

@@ -19,19 +19,25 @@ UNGUARDED_SCRIPT = (
 
 
 def death_message(
-    rank: int, exitcode: int, progress: RankProgress, loading: bool, warm: bool = False
+    rank: int,
+    exitcode: int,
+    progress: RankProgress,
+    loading: bool,
+    warm: bool = False,
+    running: str | None = None,
 ) -> str:
     """A rank's process ended with `exitcode` (negative: the signal) before the job did;
-    `warm`: the rank had loaded before (a reload), so it did start."""
+    `warm`: the rank had loaded before (a reload), so it did start; `running`: the command
+    it was running, if any."""
     how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
-    if exitcode == -9:
-        how += " (SIGKILL)"
+    if exitcode == -9:  # tpviz ends a rank so only once the job has ended
+        how = "SIGKILL, from outside the job: kill -9, or the kernel as memory ran out"
     where = progress.module
     doing = f" while loading {where}" if where and loading else ""
     if not progress.phase_times:
         doing = " between loads" if warm else UNGUARDED_SCRIPT
     elif not loading:
-        doing = " after loading"
+        doing = f" while running {running}" if running else " after loading"
     return f"rank {rank} died ({how}){doing}"
 
 

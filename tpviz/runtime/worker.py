@@ -49,6 +49,7 @@ DTENSOR_MET_OUTSIDE = (
 )
 # a forward that fails inside a module on the ranks, where the whole model runs, fails on what
 # the plan cut (a shipped plan may not fit its own model's code: Doge's)
+OUT_OF_MEMORY = "the rank ran out of memory: give it a smaller input, or load over more ranks"
 CUTS_MAY_NOT_FIT = (
     "a plan whose cuts the model's code does not follow fails so: `tpviz plan --simulate` "
     "checks a plan on simulated ranks, `tpviz plan --suggest` finds one that runs"
@@ -164,13 +165,22 @@ def _run_command(loaded: ShardedModel, command: Command) -> Reply:
     return Reply(command.command_id, True, payload)
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation that failed: CUDA's, or the CPU allocator's (a
+    RuntimeError in its own words), or Python's."""
+    cpu = isinstance(error, RuntimeError) and "DefaultCPUAllocator" in str(error)
+    return cpu or isinstance(error, MemoryError | torch.OutOfMemoryError)
+
+
 def _failed(loaded: ShardedModel, command: Command, error: Exception, why: str = "") -> Reply:
     """A command's failure: one line for the caller, naming the module that raised it where
     one did (a plan whose styles do not compose fails in the module they break), the
     traceback beside it."""
     said = error_text(error)
     module = failing_module(error, loaded.model)
-    if "mixed torch.Tensor and DTensor" in said:  # DTensor's words for it
+    if _out_of_memory(error):  # not the plan's doing, wherever it happened
+        said += f" ({OUT_OF_MEMORY})"
+    elif "mixed torch.Tensor and DTensor" in said:  # DTensor's words for it
         said += f" ({DTENSOR_MET_OUTSIDE})"
     elif command.name is CommandName.FORWARD and module is not None:
         said += f" ({CUTS_MAY_NOT_FIT})"
