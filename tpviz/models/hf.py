@@ -204,11 +204,9 @@ class HFAdapter(ModelAdapter):
 
     def _draw_without_init(self, tensor: torch.Tensor, name: str) -> None:
         """A value for a parameter or saved buffer no `_init_weights` sets (its class sets it
-        as it is built: GPT-1's Conv1D weights, Apertus' xIELU slopes), which a meta build
-        never ran: drawn
-        as transformers' default init draws a tensor of its kind, from the config's
-        `initializer_range`: a matrix from a normal distribution, a bias zero, any other
-        vector or scalar one."""
+        as it is built, which a meta build never ran: GPT-1's Conv1D weights, Apertus' xIELU
+        slopes), drawn as transformers' default init draws a tensor of its kind: a matrix
+        from normal(0, the config's `initializer_range`), a bias zero, any other one."""
         local = local_of(tensor)
         if tensor.dim() >= 2:
             local.normal_(0.0, self._initializer_range())
