@@ -36,3 +36,19 @@ def wait_for_go(model: nn.Module, directory: str) -> str:
             raise TimeoutError("no go")
         time.sleep(0.01)
     return "went"
+
+
+def llama_whose_attention_fails(config: dict) -> nn.Module:
+    """A `--model` factory: tpviz's Llama, each attention clamping without bounds (as DBRX's
+    does in transformers when its config leaves clip_qkv unset), which fails in any process."""
+    from tpviz.models.config import LlamaDims
+    from tpviz.models.llama import Attention, LlamaForCausalLM
+
+    class ClampsWithoutBounds(Attention):
+        def forward(self, x, cos, sin):
+            return torch.clamp(self.q_proj(x), min=None, max=None)
+
+    model = LlamaForCausalLM(LlamaDims.from_config(config), config)
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = ClampsWithoutBounds
+    return model

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tpviz
+from tpviz.cli import main
 from tpviz.events import LAUNCHER_RANK, Error, Phase, UnitStart, read_events_dir
 from tpviz.plan import resolve_plan
 from tpviz.rankserver import start_server
@@ -530,6 +531,19 @@ def test_a_failed_verify_says_why_in_one_line_without_a_traceback(tiny, tmp_path
     assert result["plan_matches_shards"] and result["verify"]["ok"] is False
     assert [e["code"] for e in result["errors"]] == ["VerifyFailed"]
     assert "\n" not in result["verify"]["error"]
+
+
+@pytest.mark.slow
+def test_a_verify_whose_model_fails_unsharded_too_blames_the_model_not_the_plan(tiny, capsys):
+    model = "tests.helpers:llama_whose_attention_fails"
+    assert main(["load", str(tiny), "--model", model, "--verify", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert err.splitlines()[-1] == (
+        "tpviz load: verify failed: LoadError: the model's forward fails in a single process "
+        "too (in model.layers.0.self_attn): RuntimeError: torch.clamp: At least one of 'min' or "
+        "'max' must not be None; its config or code is at fault, not the plan"
+    )
+    assert json.loads(out)["plan_matches_shards"] and children() == []
 
 
 def exits(model, code):

@@ -341,10 +341,10 @@ class LoadJob:
     def verify(self) -> dict[str, Any]:
         """Logits of the fixed prompt from the sharded model against a single-process model
         built from the same checkpoint (or the same seed); stored in `result["verify"]`."""
-        from .runtime.verify import compare_logits, fixed_prompt  # the ranks' imports: on use
+        from .runtime.verify import fixed_prompt, verify_forward  # the ranks' imports: on use
 
         ids = fixed_prompt(self.plan)
-        report = compare_logits(self.plan, self.options, ids, self.forward(ids))
+        report = verify_forward(self.plan, self.options, ids, self.forward)
         self.result.verify = report
         return report
 

@@ -4,12 +4,15 @@ reference model is built in the caller's process, one whole copy, and dropped at
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..checkpoint import Checkpoint
+from ..errors import LoadError, failed_in, failing_module
 from ..models import get_adapter, prompt_ids, read_config
+from ..models.config import error_text
 from ..plan import ResolvedPlan
 from .options import LoadOptions
 from .reference import FullModel
@@ -28,7 +31,8 @@ def fixed_prompt(plan: ResolvedPlan) -> torch.Tensor:
 
 
 def reference_logits(plan: ResolvedPlan, options: LoadOptions, ids: torch.Tensor) -> torch.Tensor:
-    """Logits of `ids` from the whole model in this process, loaded or drawn as the job was."""
+    """Logits of `ids` from the whole model in this process, loaded or drawn as the job was.
+    A forward that fails here fails unsharded: LoadError, naming the module."""
     config = read_config(plan.source)
     adapter = get_adapter(config, plan.model, plan.source)
     reference = FullModel(plan, adapter, config, options.seed)
@@ -36,11 +40,37 @@ def reference_logits(plan: ResolvedPlan, options: LoadOptions, ids: torch.Tensor
         reference.draw()
     else:
         reference.load_checkpoint(Checkpoint.open(plan.source))
-    with torch.no_grad():
-        return adapter.logits(reference.model, ids)
+    try:
+        with torch.no_grad():
+            return adapter.logits(reference.model, ids)
+    except Exception as e:  # noqa: BLE001 - whatever the model's code raises, said in one line
+        module = failing_module(e, reference.model)
+        where = f" ({failed_in(module).strip()})" if module is not None else ""
+        raise LoadError(
+            f"the model's forward fails in a single process too{where}: {error_text(e)}; "
+            "its config or code is at fault, not the plan"
+        ) from None
 
 
-def compare_logits(
+def verify_forward(
+    plan: ResolvedPlan,
+    options: LoadOptions,
+    ids: torch.Tensor,
+    sharded_forward: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, Any]:
+    """The `verify` object of the load JSON: the sharded model's logits of `ids`
+    (`sharded_forward`) against the reference's. A sharded forward that fails is checked
+    unsharded: if it fails there too, that is the error, not the ranks' (which would blame the
+    plan's cuts)."""
+    try:
+        sharded = sharded_forward(ids)
+    except LoadError:
+        reference_logits(plan, options, ids)  # raises if the model fails unsharded too
+        raise
+    return _compare_logits(plan, options, ids, sharded)
+
+
+def _compare_logits(
     plan: ResolvedPlan, options: LoadOptions, ids: torch.Tensor, sharded: torch.Tensor
 ) -> dict[str, Any]:
     """The `verify` object of the load JSON for the sharded model's logits of `ids`."""
