@@ -159,6 +159,11 @@ def test_an_events_dir_another_running_load_writes_is_refused(tmp_path, tiny, ca
     running.emit(Done(0, 3.0, result={"rank": 0}))  # its file ends, and its lock goes
     refuse_if_written(events)
     running.close()
+    os.unlink(events / "rank0.jsonl")
+    os.mkfifo(events / "rank0.jsonl")  # no one reads it: neither is waited on
+    refuse_if_written(events)
+    fifo = EventSink(0, events_dir=events)
+    assert "rank0.jsonl: No such device or address" in fifo.file_error["message"]
 
 
 @pytest.mark.slow

@@ -197,13 +197,18 @@ def hold_while_writing(file: IO) -> None:
 
 
 def _being_written(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:  # the lock, if taken, goes with the file
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:  # without waiting: a FIFO would wait for a writer (a rank refuses it as its file)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:  # gone meanwhile
+        return False
+    try:  # the lock, if taken, goes with the descriptor
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
-    except OSError:  # gone meanwhile, or no flock here
+    except OSError:  # no flock here
         pass
+    finally:
+        os.close(fd)
     return False
 
 

@@ -47,8 +47,11 @@ class EventSink:
 
     def _open(self, events_dir: str | os.PathLike) -> None:
         os.makedirs(events_dir, exist_ok=True)
-        # emptied only once its lock is held: another running load's file is left as it is
-        file = open(events_file(events_dir, self.rank), "a", encoding="utf-8")  # noqa: SIM115
+        # not emptied on opening, only once its lock is held: another running load's file is
+        # left as it is; not waited on: a FIFO without a reader fails at once (ENXIO)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK
+        fd = os.open(events_file(events_dir, self.rank), flags, 0o666)
+        file = open(fd, "a", encoding="utf-8")  # noqa: SIM115
         try:
             hold_while_writing(file)
             if stat.S_ISREG(os.fstat(file.fileno()).st_mode):  # as "w" would (not a device)
