@@ -83,6 +83,19 @@ def _stop_rank1_mid_load(source) -> tpviz.LoadError | None:
             _kill(pid)
 
 
+def hold_the_gil(seconds: float) -> None:
+    """Run Python code for `seconds` without letting another thread run: as a notebook cell
+    in one long C call (a regex, an extension) would."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10 * seconds)  # other threads wait this long for the GIL
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(interval)
+
+
 @pytest.mark.slow
 def test_loaded_job_outlives_slow_calls_but_not_a_stopped_rank(tiny):
     with tpviz.launch(tiny, 2, heartbeat_timeout=HEARTBEAT) as job:
@@ -90,6 +103,9 @@ def test_loaded_job_outlives_slow_calls_but_not_a_stopped_rank(tiny):
         time.sleep(2 * HEARTBEAT)  # idle loaded ranks are alive: they keep sending heartbeats
         # user code may run longer than the heartbeat timeout: only silence fails the job
         assert job.call(sleep_on_rank, 2 * HEARTBEAT) == [2 * HEARTBEAT] * 2
+        # so may the caller's own code while holding the GIL (the pump cannot read meanwhile)
+        hold_the_gil(2 * HEARTBEAT)
+        assert job.forward([[1, 2, 3]]).shape[:2] == (1, 3) and job.state == "loaded"
         pid = job._procs[1].pid
         try:
             os.kill(pid, signal.SIGSTOP)

@@ -23,6 +23,7 @@ from .errors import LoadError
 from .eventlog import EventLog
 from .events import LAUNCHER_RANK, Done, Error, Event, JobState, Phase, end_rank_files
 from .liveness import (
+    Silence,
     broken_group_message,
     check_seconds,
     death_message,
@@ -81,8 +82,7 @@ class LoadJob:
         self._timeout = timeout
         self._launched = time.monotonic()
         self._deadline = self._launched + timeout if timeout else None
-        # silence counts from the pump's first check once a rank's process exists
-        self._last_heard: list[float | None] = [None] * plan.world_size
+        self._silence = Silence(plan.world_size)
         self._vocab: int | None = None  # read from config.json on the first forward
         self._relaunch = relaunch
         self._warm = warm is not None
@@ -133,7 +133,7 @@ class LoadJob:
     # --- what the pump hands in (processes.Listener) ----------------------------------------
 
     def _heard(self, rank: int) -> None:
-        self._last_heard[rank] = time.monotonic()
+        self._silence.heard(rank, time.monotonic())
         self.tracker.heard(rank, time.time())
 
     def _handle(self, rank: int, message: Any) -> None:
@@ -173,16 +173,14 @@ class LoadJob:
             return self._fail(LoadError(timeout_message(self._timeout, self.progress)))
         forked = len(self._procs)
         # a fork takes milliseconds once the server has imported torch (seconds; tens loaded)
-        if forked < len(self._last_heard) and now - self._launched > 2 * self.heartbeat_timeout:
+        if forked < self.plan.world_size and now - self._launched > 2 * self.heartbeat_timeout:
             late = unforked_message(forked, now - self._launched, self.heartbeat_timeout)
             return self._rank_failed(forked, late)
-        for rank, heard in enumerate(self._last_heard[:forked]):
-            if heard is None:
-                self._last_heard[rank] = heard = now
-            if now - heard > self.heartbeat_timeout:
-                running = self._commands.running
-                message = silence_message(rank, now - heard, self.progress[rank], running)
-                return self._rank_failed(rank, message)
+        rank, silent = self._silence.longest(forked, now) or (0, 0.0)
+        if silent > self.heartbeat_timeout:
+            running = self._commands.running
+            message = silence_message(rank, silent, self.progress[rank], running)
+            return self._rank_failed(rank, message)
 
     def _rank_failed(self, rank: int, message: str) -> None:
         """End the job for what `rank` did (or did not do), in its log and its error."""

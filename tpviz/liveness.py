@@ -18,6 +18,40 @@ UNGUARDED_SCRIPT = (
 )
 
 
+class Silence:
+    """How long each rank has sent nothing, counting only the time the launcher listened.
+
+    The pump thread checks every tick (about 0.1 s apart); a caller that holds the GIL in one
+    long call (a regex, a C extension) stops it, and what the ranks sent meanwhile waits
+    unread in their pipes. A gap between two checks longer than `STALL` is taken out of every
+    rank's silence, so that a busy notebook cell does not end a healthy job."""
+
+    STALL = 1.0  # seconds between two checks beyond which the launcher was not listening
+
+    def __init__(self, world_size: int) -> None:
+        self._heard: list[float | None] = [None] * world_size
+        self._checked: float | None = None
+
+    def heard(self, rank: int, now: float) -> None:
+        self._heard[rank] = now
+
+    def longest(self, ranks: int, now: float) -> tuple[int, float] | None:
+        """(rank, seconds) of the most silent of the first `ranks` (those forked), counted
+        from when the launcher first checked them; None before any is."""
+        gap = now - self._checked if self._checked is not None else 0.0
+        self._checked = now
+        if gap > self.STALL:  # not listening: that time is no rank's silence
+            self._heard = [None if h is None else h + gap for h in self._heard]
+        for rank in range(ranks):
+            if self._heard[rank] is None:
+                self._heard[rank] = now
+        silences = [(now - self._heard[r], r) for r in range(ranks)]
+        if not silences:
+            return None
+        seconds, rank = max(silences)
+        return rank, seconds
+
+
 def death_message(
     rank: int,
     exitcode: int,
