@@ -203,6 +203,15 @@ def _config(ck: Path, **changes) -> Path:
         ("rms_norm_eps", math.nan, "NaN is not a setting"),
         ("rope_parameters", {"rope_type": "default", "rope_theta": math.nan}, "NaN is not"),
         ("layer_norm_epsilon", -1e-5, "an epsilon must be a finite number >= 0"),
+        # rope settings tpviz's Llama reads only as a rank builds its rotary table
+        ("rope_theta", 0, "rope_theta must be above 0 (10000 is usual), not 0"),
+        ("rope_scaling", {"type": "linear", "factor": 0}, ".factor must be a number above 0"),
+        ("rope_scaling", {"rope_type": "llama3", "factor": "x"}, 'rope type llama3; not "x"'),
+        (
+            "rope_scaling",
+            {"rope_type": "llama3", "factor": 8, "high_freq_factor": 4},
+            "rope_scaling.low_freq_factor must be a number above 0 for rope type llama3; it is",
+        ),
     ],
 )
 def test_config_values_that_cannot_be_real_are_refused(ck, capsys, key, value, words):

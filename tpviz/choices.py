@@ -9,7 +9,13 @@ TARGET_DTYPES = ("float32", "bfloat16", "float16")  # what --dtype offers; Pytho
 PRESETS = ("tiny", "small", "medium")
 
 LLAMA_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
-BUILTIN_ROPE_TYPES = frozenset({"default", "linear", "llama3"})  # what tpviz's Llama computes
+# the rope types tpviz's Llama computes, and what each reads from its scaling beyond rope_theta
+BUILTIN_ROPE_FIELDS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+BUILTIN_ROPE_TYPES = frozenset(BUILTIN_ROPE_FIELDS)
 BUILTIN_ACTIVATIONS = frozenset({"silu", "swish"})  # transformers' names for SiLU
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import stat
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..choices import builtin_cannot_compute, rope_type
+from ..choices import BUILTIN_ROPE_FIELDS, builtin_cannot_compute, rope_type
 from ..inputs import InputFileError, read_json, stat_path
 from .limits import config_problem
 
@@ -108,6 +109,33 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return float(theta), scaling
 
 
+def check_rope(config: dict[str, Any], theta: float, scaling: dict[str, Any]) -> None:
+    """Refuse rope settings whose frequencies would not be finite and positive (a theta of
+    zero, a factor of "x", a llama3 scaling without its low_freq_factor): the built-in Llama
+    reads them only as a rank builds its rotary table, where they would fail or give NaN."""
+    kind = scaling["rope_type"]
+    where = "rope_parameters" if isinstance(config.get("rope_parameters"), dict) else "rope_scaling"
+    if not _positive(theta):
+        raise ConfigError(f"config.json: rope_theta must be above 0 (10000 is usual), not {theta}")
+    for field in BUILTIN_ROPE_FIELDS.get(kind, ()):
+        if not _positive(scaling.get(field)):
+            got = f"not {json.dumps(scaling[field])}" if field in scaling else "it is missing"
+            raise ConfigError(
+                f"config.json: {where}.{field} must be a number above 0 for rope type {kind}; {got}"
+            )
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ConfigError(
+            f"config.json: {where}.high_freq_factor must be above its low_freq_factor "
+            f"({scaling['high_freq_factor']} <= {scaling['low_freq_factor']})"
+        )
+
+
+def _positive(value: Any) -> bool:
+    """A finite JSON number above 0 (true and false are not numbers here)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and 0 < value < math.inf
+
+
 def config_flag(config: dict[str, Any], key: str) -> bool:
     """A true/false field of config.json (false when absent or null, as transformers reads
     it). Only a JSON boolean counts: `bool("false")` is True, and would build a model the
@@ -168,6 +196,7 @@ class LlamaDims:
             )
         except (KeyError, TypeError, ValueError) as e:  # inside rope or eps settings
             raise ConfigError(f"config.json holds a value a Llama model cannot use ({e})") from None
+        check_rope(config, dims.rope_theta, dims.rope_scaling)
         if dims.head_dim < 1:
             raise ConfigError(
                 f"config.json: hidden_size {hidden} over {heads} attention heads leaves no "
