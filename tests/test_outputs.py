@@ -24,7 +24,7 @@ from tpviz.outputs import OutputPathError, OutputWriteError, write_text
 from tpviz.runtime.sink import EventSink
 from tpviz.token_ids import check_token_ids
 
-from .conftest import REPO
+from .conftest import REPO, run_cli
 from .test_failures import children, digest
 
 GIB = 1024**3
@@ -216,6 +216,16 @@ def test_token_ids_are_checked_against_the_vocabulary():
             check_token_ids(bad, 1000)
     ids = check_token_ids(torch.tensor([0, 999], dtype=torch.int32), 1000)
     assert ids.dtype == torch.long and ids.tolist() == [[0, 999]]
+
+
+def test_a_tmpdir_too_deep_for_the_rank_servers_socket_is_refused_in_one_line(tmp_path, tiny):
+    deep = tmp_path / ("d" * (120 - len(str(tmp_path))))
+    deep.mkdir()
+    done = run_cli("load", str(tiny), env={"TMPDIR": str(deep)})
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"tpviz load: TMPDIR {deep} is too long for the rank server")
+    assert done.stderr.endswith("107 at most); set TMPDIR to a shorter dir, such as /tmp\n")
+    assert list(deep.iterdir()) == []
 
 
 def test_a_rank_count_the_machine_cannot_run_is_refused_before_spawning(tmp_path, tiny, capsys):

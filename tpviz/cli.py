@@ -70,10 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     from .tempdirs import keep_torch_cache_out_of_tmpdir
 
     keep_torch_cache_out_of_tmpdir()
-    if args.command in ("load", "compare", "demo"):
-        # its imports (torch; transformers for its models) overlap this process's own work
-        start_server(rank_imports(getattr(args, "source", None), getattr(args, "model", None)))
     try:
+        if args.command in ("load", "compare", "demo"):
+            # its imports (torch; transformers for its models) overlap this process's own work
+            source, model = getattr(args, "source", None), getattr(args, "model", None)
+            start_server(rank_imports(source, model))
         with _stop_signals_interrupt():
             return COMMANDS[args.command](args)
     except KeyboardInterrupt as e:

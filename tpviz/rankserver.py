@@ -21,6 +21,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from multiprocessing import forkserver
@@ -34,6 +35,7 @@ from .tempdirs import private_temp_dir
 # Not torch._dynamo: about a second more on every cold start's critical path, and a load never
 # imports it (parallelize builds DTensors directly); a rank's first forward does.
 PRELOAD = ["tpviz.runtime.worker"]
+SOCKET_PATH_BYTES = 107  # a UNIX socket path's room on Linux (108 with its NUL)
 # Defaults for the server's and the ranks' environment, where the caller has not set them.
 # THP_MEM_ALLOC_ENABLE=1 makes torch's CPU allocator (which reads it once) mark allocations of
 # 2 MiB and more MADV_HUGEPAGE, so a shard's fresh memory faults in 2 MiB at a time rather
@@ -79,6 +81,7 @@ def start_server(preload: Sequence[str] = ()) -> mp.context.BaseContext:
         # the server's socket (a path of at most ~107 bytes, so nothing is nested deeper) and
         # its own temp files (torch's inductor cache dir) go in this process's temp dir
         path = private_temp_dir()
+        _check_socket_room(path)
         with _environ({**missing_defaults(), "TMPDIR": path}):
             forkserver.ensure_running()  # the server takes this process's environment now
         _server_started = True
@@ -88,6 +91,18 @@ def start_server(preload: Sequence[str] = ()) -> mp.context.BaseContext:
         atexit.unregister(stop_server)
         atexit.register(stop_server)
     return ctx
+
+
+def _check_socket_room(directory: str) -> None:
+    """Refuse a temp dir too deep for the server's socket (`listener-` and 8 characters in
+    it): a UNIX socket's path holds at most 107 bytes, and $TMPDIR sets where it goes."""
+    length = len(os.fsencode(directory)) + len("/listener-") + 8
+    if length > SOCKET_PATH_BYTES:
+        raise ValueError(
+            f"TMPDIR {tempfile.gettempdir()} is too long for the rank server's socket in it "
+            f"({length} bytes of path, {SOCKET_PATH_BYTES} at most); set TMPDIR to a "
+            "shorter dir, such as /tmp"
+        )
 
 
 def stop_server() -> None:
