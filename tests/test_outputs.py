@@ -72,6 +72,24 @@ def test_a_bad_output_path_exits_2_before_any_rank_starts(case, tmp_path, tiny, 
     assert digest(tiny) == before
 
 
+def test_an_output_where_the_events_dir_keeps_a_ranks_file_is_refused(tmp_path, tiny, capsys):
+    events = tmp_path / "events"
+    for command, flag, path in [
+        ("load", "--report", events / "rank1.jsonl"),
+        ("load", "--profile", events / "rank0.jsonl"),
+        ("compare", "--report", events / "sliced" / "rank0.jsonl"),  # a dir per strategy
+        ("load", "--report", events),
+    ]:
+        assert main([command, str(tiny), "--events", str(events), flag, str(path)]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        what = "report" if flag == "--report" else "profile dir"
+        assert line == (
+            f"tpviz {command}: {what} {path} is where the events dir {events} keeps a rank's "
+            f"events; give the {what} another path"
+        )
+    assert children() == [] and not events.exists()
+
+
 def test_compare_checks_its_outputs_before_the_first_strategy(tmp_path, tiny, capsys):
     assert main(["compare", str(tiny), "--report", str(tmp_path), "--json"]) == 2
     assert "is a directory" in json.loads(capsys.readouterr().out)["errors"][0]["message"]

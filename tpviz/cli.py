@@ -332,9 +332,13 @@ COMMANDS = {
 
 def _check_report(args: argparse.Namespace) -> str | None:
     """The --report path, checked before anything is launched."""
+    from .events import check_apart_from_events
     from .outputs import check_output_file
 
-    return check_output_file(args.report, "report", args.source) if args.report else None
+    if not args.report:
+        return None
+    check_apart_from_events(args.report, "report", args.events)
+    return check_output_file(args.report, "report", args.source)
 
 
 def _write_report(path: str, plan, results: list[LoadResult], events: list) -> list[dict]:

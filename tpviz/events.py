@@ -12,6 +12,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Iterator
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -178,10 +179,31 @@ def events_file(directory: str | os.PathLike, rank: int) -> Path:
     return Path(directory) / f"rank{rank}.jsonl"
 
 
+RANK_FILE = re.compile(r"rank(\d+)\.jsonl")  # the name of a rank's file, as events_file makes it
+
+
 def rank_files(directory: str | os.PathLike) -> dict[int, Path]:
     """The `rank{r}.jsonl` files of an events dir by rank, in rank order."""
-    paths = Path(directory).glob("rank*.jsonl")
-    return dict(sorted((int(p.stem[4:]), p) for p in paths if p.stem[4:].isdigit()))
+    found = ((RANK_FILE.fullmatch(p.name), p) for p in Path(directory).glob("rank*.jsonl"))
+    return dict(sorted((int(m.group(1)), p) for m, p in found if m))
+
+
+def check_apart_from_events(
+    path: str | os.PathLike, what: str, events_dir: str | os.PathLike | None
+) -> None:
+    """Refuse an output where an events dir holds a rank's file (`rank{r}.jsonl`, at any depth:
+    compare writes a dir per strategy), or a file at the events dir's own path: each would
+    overwrite the other. Beside the rank files, in the same dir, is fine."""
+    if not events_dir:
+        return
+    out, events = Path(path).expanduser().absolute(), Path(events_dir).expanduser().absolute()
+    if (out == events and what == "report") or (
+        events in out.parents and RANK_FILE.fullmatch(out.name)
+    ):
+        raise OutputPathError(
+            f"{what} {out} is where the events dir {events} keeps a rank's events; give the "
+            f"{what} another path"
+        )
 
 
 def hold_while_writing(file: IO) -> None:

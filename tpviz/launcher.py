@@ -22,7 +22,7 @@ import torch
 
 from .capacity import free_task_slots, host_shortfall
 from .errors import LoadError, MemoryForecastError
-from .events import refuse_if_written, remove_rank_files
+from .events import check_apart_from_events, refuse_if_written, remove_rank_files
 from .job import HEARTBEAT_TIMEOUT, LoadJob
 from .liveness import check_seconds
 from .outputs import check_output_dir
@@ -191,6 +191,7 @@ def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
         refuse_if_written(events_dir)
     if profile_dir:
         profile_dir = check_output_dir(profile_dir, "profile dir", resolved.source)
+        check_apart_from_events(profile_dir, "profile dir", events_dir)
     options = LoadOptions(a.strategy, a.init, a.seed, a.memory_hz, profile_dir, a.profile_forward)
     options.validate(resolved)
     if not a.force:
