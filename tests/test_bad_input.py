@@ -350,12 +350,29 @@ def test_files_that_are_not_utf8(ck, capsys, file):
     assert str(target) in err and "not UTF-8" in err
 
 
-@pytest.mark.parametrize("plan", ['{"tp_plan": "abc"}', "[1, 2]", '{"base_model_tp_plan": [1]}'])
+@pytest.mark.parametrize(
+    "plan",
+    ['{"tp_plan": "abc"}', "[1, 2]", '{"base_model_tp_plan": [1]}', '{"base_model_tp_plan": []}'],
+)
 def test_plan_files_that_are_not_pattern_objects(ck, capsys, plan):
     path = ck.parent / "plan.json"
     path.write_text(plan)
     err = refused(capsys, "plan", ck, "--plan", path)
     assert str(path) in err and "pattern -> style" in err
+
+
+@pytest.mark.parametrize(
+    "stray",
+    [{"base_model_tp_plans": {}}, {"layers.*.mlp.up_proj": "colwise"}],
+    ids=["misspelt", "pattern-beside"],
+)
+def test_a_key_beside_transformers_form_is_refused_not_ignored(ck, capsys, stray):
+    path = ck.parent / "plan.json"
+    path.write_text(json.dumps({"tp_plan": {"lm_head": "colwise_gather_output"}, **stray}))
+    err = refused(capsys, "plan", ck, "--plan", path)
+    assert f"plan file {path}: {next(iter(stray))!r} is not part of a plan in transformers'" in err
+    path.write_text(json.dumps({"tp_plan": {}, "suggestion": {}}))  # plan --suggest --json's
+    assert main(["plan", str(ck), "--plan", str(path)]) == 0
 
 
 def test_a_config_giving_one_key_twice(ck, capsys):

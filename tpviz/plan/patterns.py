@@ -79,6 +79,9 @@ def _style_issue(pattern: str, style_given: Any) -> PlanIssue | None:
     return None
 
 
+TRANSFORMERS_FORM = ("base_model_tp_plan", "tp_plan")  # merged in this order
+
+
 def load_plan_patterns(plan: Mapping[str, str] | str | os.PathLike | None) -> dict[str, str] | None:
     """A pattern dict from a dict or a JSON file (`{pattern: style}` or transformers' form
     `{"tp_plan": {...}, "base_model_tp_plan": {...}}`)."""
@@ -90,7 +93,8 @@ def load_plan_patterns(plan: Mapping[str, str] | str | os.PathLike | None) -> di
         plan = read_json(plan, "plan file", unique_keys=True)
     parts = [plan]
     if isinstance(plan, Mapping) and ("tp_plan" in plan or "base_model_tp_plan" in plan):
-        parts = [plan.get("base_model_tp_plan") or {}, plan.get("tp_plan") or {}]
+        _check_transformers_form(plan, where)
+        parts = [plan.get(k) if plan.get(k) is not None else {} for k in TRANSFORMERS_FORM]
     merged: dict[str, str] = {}
     for part in parts:
         if not isinstance(part, Mapping) or not all(isinstance(k, str) for k in part):
@@ -107,6 +111,17 @@ def load_plan_patterns(plan: Mapping[str, str] | str | os.PathLike | None) -> di
             )
         merged.update(part)
     return merged
+
+
+def _check_transformers_form(plan: Mapping[str, Any], where: str) -> None:
+    """Refuse a key beside transformers' two (a misspelt one, or a pattern that belongs
+    inside `tp_plan`): it would be ignored. `suggestion` is `tpviz plan --suggest`'s own."""
+    stray = [k for k in plan if k not in TRANSFORMERS_FORM and k != "suggestion"]
+    if stray:
+        raise ValueError(
+            f"{where}: {stray[0]!r} is not part of a plan in transformers' form, whose patterns "
+            "go in tp_plan and base_model_tp_plan; move it there, or fix its name"
+        )
 
 
 def _short(value: Any) -> str:
