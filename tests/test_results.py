@@ -64,3 +64,11 @@ def test_ratios_are_against_sliced():
     add_ratios([sliced, other])
     assert other["ratio_to_sliced"] == {"load_seconds": 2.0, "peak_rss_bytes": 3.0}
     assert other.ranks[0].ratio_to_sliced["seconds"] == 3.0
+
+
+def test_verify_tolerates_rounding_only_in_16_bit_dtypes():
+    from tpviz.runtime.verify import tolerance
+
+    # the Python API takes float64 too: it is held to float32's bound, not bfloat16's
+    assert tolerance("float64") == tolerance("float32") == 1e-4
+    assert tolerance("bfloat16") == tolerance("float16") == 5e-2
