@@ -183,6 +183,8 @@ def test_a_failed_call_is_one_line_with_the_traceback_beside_it_and_the_job_live
     assert "Traceback" in error.traceback and "fails_deep_down" in error.traceback
     with pytest.raises(tpviz.LoadError, match="its result cannot be sent back: .*pickle"):
         job2.call(returns_what_cannot_be_sent)
+    with pytest.raises(ValueError, match=r"^call: its arguments cannot be sent to the ranks \("):
+        job2.call(shard_fingerprint, lambda: None)  # refused before any rank got it
     with pytest.raises(tpviz.LoadError, match=r"call failed: RuntimeError: .*CPUAllocator") as oom:
         job2.call(allocates_more_than_there_is)
     assert str(oom.value).endswith(

@@ -19,10 +19,9 @@ def check_callable(fn: Any) -> None:
         module, colon, name = fn.partition(":")
         if not (module and colon and name):
             raise ValueError(f"call: {fn!r} is not an import path 'pkg.mod:fn'")
-        return
-    if not callable(fn):
+    elif not callable(fn):
         raise TypeError(f"call: fn must be a function or 'pkg.mod:fn', not {fn!r}")
-    if "<" in getattr(fn, "__qualname__", ""):  # <lambda>, or <locals> of another function
+    elif "<" in getattr(fn, "__qualname__", ""):  # <lambda>, or <locals> of another function
         raise ValueError(
             f"call: {fn.__qualname__} cannot reach the ranks, which import a function by its "
             "name: define it at the top level of an importable module, or pass 'pkg.mod:fn'"
@@ -82,9 +81,7 @@ class CommandChannel:
                 # reference for the memory a load leaves behind
                 self._ranks.reference_baselines = None
         try:
-            # a dead rank breaks its pipe; the pump reports it and fails the job
-            with contextlib.suppress(OSError):
-                self._ranks.send_all(Command(name, command_id, args))
+            self._send(Command(name, command_id, args))
             with self._cond:
                 self._wait(command_id, given_up, straggler_seconds)
                 return dict(self._replies[command_id])
@@ -92,6 +89,19 @@ class CommandChannel:
             with self._cond:
                 del self._replies[command_id]
                 self.running = None
+
+    def _send(self, command: Command) -> None:
+        """To every rank; a dead rank breaks its pipe, which the pump reports, failing the job.
+        Arguments pickle cannot send are refused before any rank gets the command."""
+        try:
+            self._ranks.send_all(command)
+        except OSError:
+            pass
+        except Exception as e:  # noqa: BLE001 - pickle raises several kinds for what it cannot send
+            raise ValueError(
+                f"{command.name}: its arguments cannot be sent to the ranks ({type(e).__name__}: "
+                f"{e}); pass what pickle can send: numbers, strings, tensors, lists, dicts"
+            ) from None
 
     def _wait(self, command_id: int, given_up: Callable[[], bool], straggler: float) -> None:
         """Until every rank replied, the job ended, or `straggler` seconds passed since the
