@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -121,12 +120,8 @@ class CommandChannel:
 
     def reload(self, spec: Any) -> None:
         """Send every (loaded, idle) rank the next load's WorkerSpec; its events answer."""
-        self._send(CommandName.RELOAD, (spec,))
+        self._send(Command(CommandName.RELOAD, next(self._ranks.command_ids), (spec,)))
 
     def shutdown(self) -> None:
         """Ask every rank to leave its command loop."""
-        self._send(CommandName.SHUTDOWN, ())
-
-    def _send(self, name: CommandName, args: tuple[Any, ...]) -> None:
-        with contextlib.suppress(OSError):  # a dead rank: the pump reports it
-            self._ranks.send_all(Command(name, next(self._ranks.command_ids), args))
+        self._send(Command(CommandName.SHUTDOWN, next(self._ranks.command_ids), ()))
