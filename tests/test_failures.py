@@ -287,6 +287,27 @@ def test_a_stopped_rank_server_cannot_keep_the_job_from_ending(tiny, end):
         assert job.wait(120)["plan_matches_shards"]
 
 
+@pytest.mark.slow
+def test_a_rank_server_stopped_after_forking_cannot_hold_the_shutdown(tiny):
+    """A rank's exit is told by the server that forked it: one stopped after the ranks were
+    forked could not say they had ended, and shutdown waited for it (until the interpreter's
+    exit killed it, 40-50 s later). It is ended instead, and the next launch starts one."""
+    job = tpviz.launch(tiny, 2)
+    job.wait(120)
+    server = forkserver._forkserver._forkserver_pid
+    os.kill(server, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        job.shutdown()
+        assert time.monotonic() - began < PROMPT
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server, signal.SIGCONT)
+    assert not psutil.pid_exists(server) and children() == []
+    with tpviz.launch(tiny, 2) as job:
+        assert job.wait(120)["plan_matches_shards"]
+
+
 def _open_files() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -174,6 +174,9 @@ class Ranks:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()  # also ends a stopped (SIGSTOP) rank, which TERM cannot
+                p.join(TERMINATE_GRACE_SECONDS)
+            if p.is_alive():  # its exit is told by the server that forked it: stopped, stuck
+                stop_server()  # its end closes the pipe that tells it; the next launch starts one
                 p.join()
         for p in self.procs:
             _end_what_it_left(p.pid)
