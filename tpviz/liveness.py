@@ -37,7 +37,7 @@ class Silence:
 
     def longest(self, ranks: int, now: float) -> tuple[int, float] | None:
         """(rank, seconds) of the most silent of the first `ranks` (those forked), counted
-        from when the launcher first checked them; None before any is."""
+        from when the launcher first checked them; None while none is forked."""
         gap = now - self._checked if self._checked is not None else 0.0
         self._checked = now
         if gap > self.STALL:  # not listening: that time is no rank's silence
@@ -64,7 +64,7 @@ def death_message(
     `warm`: the rank had loaded before (a reload), so it did start; `running`: the command
     it was running, if any."""
     how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
-    if exitcode == -9:  # tpviz ends a rank so only once the job has ended
+    if exitcode == -9:  # tpviz kills a rank only once the job has ended: not judged then
         how = "SIGKILL, from outside the job: kill -9, or the kernel as memory ran out"
     where = progress.module
     doing = f" while loading {where}" if where and loading else ""
