@@ -175,6 +175,28 @@ def test_rank_killed_from_outside_fails_the_job_naming_it(small, tmp_path):
         tpviz.LoadMonitor.from_events_dir(tmp_path).wait(PROMPT)
 
 
+@pytest.mark.slow
+def test_a_killed_rank_is_the_cause_even_when_its_server_reports_it_late(small):
+    """A rank's exit is reported by the server that forked it, which may be slow to say so;
+    the collective its death broke fails its peer at once, and that error must not be taken
+    for the cause. Here the server is stopped for a second as rank 1 is killed."""
+    server = forkserver._forkserver._forkserver_pid
+    killed = threading.Event()
+
+    def kill_rank1(event):
+        if isinstance(event, UnitStart) and event.rank == 1 and not killed.is_set():
+            killed.set()
+            os.kill(server, signal.SIGSTOP)
+            os.kill(job._procs[1].pid, signal.SIGKILL)
+            threading.Timer(1.0, os.kill, (server, signal.SIGCONT)).start()
+
+    with tpviz.launch(small, 2) as job:
+        job.subscribe(kill_rank1)
+        with pytest.raises(tpviz.LoadError, match=r"^rank 1 died \(SIGKILL"):
+            job.wait(PROMPT)
+    assert children() == []
+
+
 def ended_file(events_dir, rank: int) -> Error:
     """The last event of a rank's events file, which must be an error."""
     last = [e for e in read_events_dir(events_dir) if e.rank == rank][-1]

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
+import psutil
+
 from .rankserver import missing_defaults, start_server, stop_server
 from .runtime.heartbeat import boot
 from .tempdirs import LOCK, PREFIX, remove_stale_workdirs
@@ -270,6 +272,9 @@ def _pump_once(ranks: Ranks) -> bool:
     listener = ranks.listener()
     if listener is None:
         return False
+    dead = _unreported_deaths(ranks.procs)
+    if dead:  # its peers' errors (a collective it broke) may be in this tick: hear it first
+        wait([p.sentinel for p in dead], timeout=TERMINATE_GRACE_SECONDS)
     # Which ranks have exited is decided once, here, and only their ends are judged: a rank
     # sends before it exits, so all it sent is in its pipe now and is read first. (A rank
     # that reports its error and exits at once fails the job with that error, not "died".)
@@ -286,6 +291,25 @@ def _pump_once(ranks: Ranks) -> bool:
             _hand_over(conn, rank, listener, drain=rank in exited)
     listener._check(exited)
     return True
+
+
+def _unreported_deaths(procs: list) -> list:
+    """Ranks that have ended (the kernel shows them gone, or a zombie) before the server that
+    forked them reported it: a rank killed by a signal breaks its peers' collectives at once,
+    and their errors can reach the pump before its server's word does."""
+    dead = []
+    for p in procs:
+        if p.exitcode is not None:
+            continue
+        try:
+            if psutil.Process(p.pid).status() != psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.NoSuchProcess:
+            pass
+        except psutil.AccessDenied:  # not ours to read: the server's word alone tells
+            continue
+        dead.append(p)
+    return dead
 
 
 def _hand_over(conn: Connection, rank: int, listener: Listener, drain: bool) -> None:
