@@ -210,12 +210,20 @@ def hold_while_writing(file: IO) -> None:
     """Take the lock a rank holds on its events file while it writes it (until its `done`,
     or its end), so that another load is refused the same dir; OSError (EBUSY) if another
     running load holds it. Where the file system has no locks, nothing is held."""
+    if _held_elsewhere(file.fileno()):
+        raise OSError(errno.EBUSY, BUSY)
+
+
+def _held_elsewhere(fd: int) -> bool:
+    """Take the file's lock without waiting (it goes with the descriptor); whether another
+    open file holds it. False where the file system has no locks (some network ones)."""
     try:
-        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise OSError(errno.EBUSY, BUSY) from None
-    except OSError:  # no flock here (some network file systems): nothing to hold
+        return True
+    except OSError:
         pass
+    return False
 
 
 def _being_written(path: Path) -> bool:
@@ -223,15 +231,10 @@ def _being_written(path: Path) -> bool:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:  # gone meanwhile
         return False
-    try:  # the lock, if taken, goes with the descriptor
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:  # no flock here
-        pass
+    try:
+        return _held_elsewhere(fd)
     finally:
         os.close(fd)
-    return False
 
 
 def refuse_if_written(directory: str | os.PathLike, beyond: int = 0) -> None:

@@ -176,7 +176,7 @@ class LoadJob:
         if forked < self.plan.world_size and now - self._launched > 2 * self.heartbeat_timeout:
             late = unforked_message(forked, now - self._launched, self.heartbeat_timeout)
             return self._rank_failed(forked, late)
-        rank, silent = self._silence.longest(forked, now) or (0, 0.0)
+        rank, silent = self._silence.longest(forked, now)
         if silent > self.heartbeat_timeout:
             running = self._commands.running
             message = silence_message(rank, silent, self.progress[rank], running)

@@ -35,9 +35,9 @@ class Silence:
     def heard(self, rank: int, now: float) -> None:
         self._heard[rank] = now
 
-    def longest(self, ranks: int, now: float) -> tuple[int, float] | None:
+    def longest(self, ranks: int, now: float) -> tuple[int, float]:
         """(rank, seconds) of the most silent of the first `ranks` (those forked), counted
-        from when the launcher first checked them; None while none is forked."""
+        from when the launcher first checked them; (0, 0.0) while none is forked."""
         gap = now - self._checked if self._checked is not None else 0.0
         self._checked = now
         if gap > self.STALL:  # not listening: that time is no rank's silence
@@ -45,10 +45,7 @@ class Silence:
         for rank in range(ranks):
             if self._heard[rank] is None:
                 self._heard[rank] = now
-        silences = [(now - self._heard[r], r) for r in range(ranks)]
-        if not silences:
-            return None
-        seconds, rank = max(silences)
+        seconds, rank = max(((now - self._heard[r], r) for r in range(ranks)), default=(0.0, 0))
         return rank, seconds
 
 

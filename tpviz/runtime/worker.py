@@ -47,9 +47,9 @@ DTENSOR_MET_OUTSIDE = (
     "the model's code uses a tensor this rank holds as a DTensor outside its module; "
     "`tpviz plan --simulate` names it, `tpviz plan --suggest` finds a plan that runs"
 )
+OUT_OF_MEMORY = "the rank ran out of memory: give it a smaller input, or load over more ranks"
 # a forward that fails inside a module on the ranks, where the whole model runs, fails on what
 # the plan cut (a shipped plan may not fit its own model's code: Doge's)
-OUT_OF_MEMORY = "the rank ran out of memory: give it a smaller input, or load over more ranks"
 CUTS_MAY_NOT_FIT = (
     "a plan whose cuts the model's code does not follow fails so: `tpviz plan --simulate` "
     "checks a plan on simulated ranks, `tpviz plan --suggest` finds one that runs"
