@@ -161,6 +161,13 @@ def test_only_provably_stale_temp_dirs_are_removed(tmp_path, monkeypatch):
     (stale / "rendezvous").touch()
     unlocked = tmp_path / "tpviz-foreign"  # no lock file: nothing proves it stale
     unlocked.mkdir()
+    never_locked = tmp_path / "tpviz-999999-x"  # its maker died before it took the lock
+    never_locked.mkdir()
+    maker_alive = tmp_path / f"tpviz-{os.getpid()}-x"  # its maker is about to lock it
+    maker_alive.mkdir()
+    not_empty = tmp_path / "tpviz-999999-y"  # a lock file is made first: this is not ours
+    not_empty.mkdir()
+    (not_empty / "data").touch()
     stale_mp = tmp_path / "pymp-stale"  # a killed launcher's forkserver socket dir
     stale_mp.mkdir()
     (stale_mp / LOCK).touch()
@@ -170,12 +177,11 @@ def test_only_provably_stale_temp_dirs_are_removed(tmp_path, monkeypatch):
     live = Ranks()  # holds its lock for as long as it lives
     try:
         remove_stale_workdirs()
-        assert sorted(os.listdir(tmp_path)) == sorted(
-            [unlocked.name, foreign_mp.name, os.path.basename(live.workdir)]
-        )
+        kept = [unlocked.name, foreign_mp.name, maker_alive.name, not_empty.name]
+        assert sorted(os.listdir(tmp_path)) == sorted([*kept, os.path.basename(live.workdir)])
     finally:
         live.close()
-    assert sorted(os.listdir(tmp_path)) == sorted([unlocked.name, foreign_mp.name])
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
 
 
 def test_a_transformers_model_leaves_no_torch_cache_dir_in_tmpdir(tiny, tmp_path):

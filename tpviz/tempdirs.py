@@ -35,7 +35,9 @@ def remove_stale_workdirs() -> None:
         path = os.path.join(root, name)
         try:
             fd = os.open(os.path.join(path, LOCK), os.O_RDONLY)
-        except OSError:  # not ours, or not (yet) locked: not provably stale
+        except OSError:  # not ours, or not (yet) locked: stale only if its maker is gone
+            if _maker_is_gone(name):
+                _remove_if_empty(path)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -44,6 +46,29 @@ def remove_stale_workdirs() -> None:
             pass  # its launcher is alive
         finally:
             os.close(fd)
+
+
+def _maker_is_gone(name: str) -> bool:
+    """Whether the launcher named in a workdir's name (`tpviz-<pid>-*`) no longer runs: it
+    was killed between making the dir and locking it (a reused pid only keeps the dir)."""
+    pid = name[len(PREFIX) :].partition("-")[0]
+    if not name.startswith(PREFIX) or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        pass
+    return False
+
+
+def _remove_if_empty(path: str) -> None:
+    """A workdir is empty until its lock file is made: one with anything in it is not ours."""
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def private_temp_dir() -> str:
