@@ -264,6 +264,10 @@ def test_cancel_and_timeout_end_every_rank(tiny, tmp_path):
         job.reload()
     for rank in (0, 1):  # a refused reload changes nothing: the files still say why it ended
         assert ended_file(tmp_path, rank).message == "the job ended: the load was cancelled"
+    with tpviz.launch(tiny, 2) as job:  # a finished load keeps its result
+        result = job.wait(PROMPT)
+        job.cancel()
+        assert job.state == "closed" and job.wait() is result and children() == []
     with tpviz.launch(tiny, 2, timeout=0.001) as job:  # whole loads now fit in 0.5 s
         with pytest.raises(tpviz.LoadError, match="timeout"):
             job.wait(PROMPT)

@@ -273,7 +273,9 @@ class LoadJob:
         return self.result
 
     def cancel(self) -> None:
-        """Stop the job: every rank is ended."""
+        """End every rank now: a running load fails as cancelled; a done one keeps its result."""
+        if self.state is JobState.LOADED:
+            return self.shutdown(timeout=0.0)
         self._fail(LoadError("the load was cancelled"), state=JobState.CANCELLED)
 
     # --- commands on the loaded model -------------------------------------------------------
