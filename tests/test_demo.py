@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -130,6 +131,17 @@ def test_a_checkpoint_too_large_for_memory_or_disk_is_refused_before_anything_is
     done = cli("make-checkpoint", str(tmp_path / "file"))
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0
     assert "file is a file; give a directory to write the checkpoint into" in done.stderr
+    config_only = tmp_path / "config-only"  # a plan's source: never written over
+    config_only.mkdir()
+    (config_only / "config.json").write_text('{"model_type": "mine"}')
+    done = cli("make-checkpoint", str(config_only))
+    assert done.returncode == 2 and "config-only is not empty; choose a new or empty" in done.stderr
+    assert os.listdir(config_only) == ["config.json"]
+    assert (config_only / "config.json").read_text() == '{"model_type": "mine"}'
+    done = cli("make-checkpoint", "")
+    assert done.returncode == 2 and "the path is empty" in done.stderr
+    done = cli("make-checkpoint", "/proc/tpviz-checkpoint")
+    assert done.returncode == 2 and "cannot make /proc/tpviz-checkpoint (" in done.stderr
 
 
 def test_a_demo_cache_that_is_a_file_or_has_lost_its_weights_is_named(tmp_path, tiny, cli):

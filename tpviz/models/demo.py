@@ -94,14 +94,13 @@ def make_checkpoint(
     """Write a deterministic checkpoint (config.json + safetensors, sharded over
     `max_shard_size`) that transformers' `LlamaForCausalLM.from_pretrained` loads."""
     config = demo_config(preset, dtype, tie_embeddings, **overrides)  # all checks come first
-    out = Path(directory)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} is a file; give a directory to write the checkpoint into")
-    if any(out.glob("*.safetensors")):
-        raise FileExistsError(f"{out} already holds a checkpoint; choose an empty directory")
+    out = _new_directory(directory)
     skeleton = build_skeleton(BuiltinLlama(), config, torch.float32)
     _check_room(out, sum(p.numel() for p in skeleton.parameters()) * torch_dtype(dtype).itemsize)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot make {out} ({e.strerror}); choose another directory") from None
     generator = torch.Generator().manual_seed(seed)
     target = torch_dtype(dtype)
     tensors: dict[str, torch.Tensor] = {}
@@ -116,11 +115,27 @@ def make_checkpoint(
     return out
 
 
+def _new_directory(directory: str | os.PathLike) -> Path:
+    """`directory` if it is new or empty: a checkpoint is never written over anything, a
+    config.json beside other weights or a plan's config-only directory included."""
+    if not os.fspath(directory):
+        raise ValueError("give a directory to write the checkpoint into (the path is empty)")
+    out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file; give a directory to write the checkpoint into")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; choose a new or empty directory")
+    return out
+
+
 def _check_room(out: Path, nbytes: int) -> None:
     """Refuse, before writing anything, a checkpoint that memory (its tensors are made whole
     first) or the disk cannot hold."""
     held = next(p for p in [out, *out.parents] if p.exists())
-    room = {"memory": psutil.virtual_memory().available, "disk": shutil.disk_usage(held).free}
+    room = {"memory": psutil.virtual_memory().available}
+    disk = shutil.disk_usage(held)
+    if disk.total:  # a file system with no blocks (/proc) holds no files: mkdir says so
+        room["disk"] = disk.free
     for what, free in room.items():
         if nbytes > free:
             raise ValueError(
