@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _make_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-checkpoint", help="write a deterministic Llama-family checkpoint")
-    p.add_argument("directory", help="where to write it (created; must not hold a checkpoint)")
+    p.add_argument("directory", help="where to write it (a new or empty directory)")
     p.add_argument(
         "--preset",
         choices=PRESETS,
