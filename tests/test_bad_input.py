@@ -16,11 +16,12 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tpviz.checkpoint import Checkpoint, CheckpointError, read_header
 from tpviz.cli import main
 from tpviz.models.demo import make_checkpoint
+from tpviz.plan import resolve_plan
 
 from .conftest import run_cli
 
@@ -199,6 +200,7 @@ def _config(ck: Path, **changes) -> Path:
         ("num_key_value_heads", 2.5, "whole number"),
         ("torch_dtype", "int8", "floating-point"),
         ("dtype", "float99", "not a torch dtype"),
+        ("torch_dtype", 5, 'give a dtype\'s name, such as "bfloat16"'),
         ("num_attention_heads", None, "num_attention_heads is null; a Llama model needs it"),
         ("rms_norm_eps", math.nan, "NaN is not a setting"),
         ("rope_parameters", {"rope_type": "default", "rope_theta": math.nan}, "NaN is not"),
@@ -218,6 +220,26 @@ def test_config_values_that_cannot_be_real_are_refused(ck, capsys, key, value, w
     config = _config(ck, **{key: value})
     err = refused(capsys, "plan", ck)
     assert str(config) in err and key in err and words in err
+
+
+def test_a_dtype_no_model_computes_in_is_refused_wherever_it_comes_from(ck, capsys):
+    """fp8 is a storage format (its scales are a quantisation's): loading into it made a model
+    whose forward fails, blamed on the plan."""
+    _config(ck, torch_dtype="float8_e4m3fn")
+    err = refused(capsys, "plan", ck)
+    assert "config.json's dtype float8_e4m3fn: a model computes in float32, bfloat16" in err
+    assert "choose one with --dtype (dtype=)" in err
+    assert main(["plan", str(ck), "--dtype", "bfloat16", "--json"]) == 0  # the way out
+    assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
+    for dtype in ("float8_e5m2", torch.float8_e4m3fn, "int8", ""):
+        with pytest.raises(ValueError, match="dtype"):
+            resolve_plan(ck, 2, dtype=dtype)
+    assert resolve_plan(ck, 2, dtype="torch.float16").dtype == "float16"  # as config.json says
+    weights = ck / "model.safetensors"  # fp8 weights, no dtype declared: none inferred either
+    tensors = {name: t.to(torch.float8_e4m3fn) for name, t in load_file(weights).items()}
+    save_file(tensors, weights)
+    _config(ck, torch_dtype=None)
+    assert "the weights' dtype float8_e4m3fn: a model computes in" in refused(capsys, "plan", ck)
 
 
 def test_absurd_layer_count_is_refused_at_once_for_a_config_only_plan(tmp_path, capsys):

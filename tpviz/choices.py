@@ -5,7 +5,8 @@ mirrors its registry (tpviz.strategies.STRATEGIES, tpviz.models.demo.PRESETS), a
 tests/test_cli_help.py keeps them equal."""
 
 STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
-TARGET_DTYPES = ("float32", "bfloat16", "float16")  # what --dtype offers; Python takes any float
+TARGET_DTYPES = ("float32", "bfloat16", "float16")  # what --dtype offers
+COMPUTE_DTYPES = (*TARGET_DTYPES, "float64")  # what a model computes in: Python takes these
 PRESETS = ("tiny", "small", "medium")
 
 LLAMA_ARCHITECTURES = frozenset({"LlamaForCausalLM"})

@@ -104,8 +104,10 @@ def _size_problem(key: str, value: Any) -> str | None:
 
 def _dtype_problem(key: str, value: Any) -> str | None:
     """`dtype` (5.x) / `torch_dtype` (4.x): floating-point weights are cast to it."""
-    if key not in ("dtype", "torch_dtype") or not isinstance(value, str) or value == "auto":
+    if key not in ("dtype", "torch_dtype") or value is None or value == "auto":
         return None
+    if not isinstance(value, str):
+        return 'give a dtype\'s name, such as "bfloat16"'
     dtype = getattr(torch, value.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         return "not a torch dtype"

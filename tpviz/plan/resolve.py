@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import Checkpoint, dtype_name, torch_dtype
+from ..choices import COMPUTE_DTYPES
 from ..inputs import check_path_argument, check_world_size
 from ..models import ModelAdapter, adapter_for_module, build_skeleton, get_adapter, read_config
 from ..models.config import check_unquantized, config_dtype, naming_config_file
@@ -221,23 +222,32 @@ def _gc_paused() -> Iterator[None]:
 def _target_dtype(
     dtype: str | torch.dtype | None, config: dict[str, Any], ckpt: Checkpoint | None
 ) -> torch.dtype:
-    if dtype:
-        if not isinstance(dtype, (str, torch.dtype)):
+    if dtype is not None:
+        if not isinstance(dtype, (str, torch.dtype)) or dtype == "":
             raise ValueError(
                 f"dtype must be a name such as 'bfloat16' or a torch.dtype, not {dtype!r}"
             )
-        given = dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype)
-        if not given.is_floating_point:
-            raise ValueError(f"dtype {dtype_name(given)}: weights load as a floating-point dtype")
-        return given
+        name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
+        return _computable(name.removeprefix("torch."), f"dtype {name}")
     declared = config_dtype(config)
     if declared and declared != "auto":
-        return torch_dtype(declared)
+        return _computable(declared, f"config.json's dtype {declared}", " with --dtype (dtype=)")
     if ckpt and ckpt.has_weights:
         floats = [t.dtype for t in ckpt.tensors.values() if torch_dtype(t.dtype).is_floating_point]
         if floats:
-            return torch_dtype(max(set(floats), key=floats.count))
+            common = max(set(floats), key=floats.count)
+            return _computable(common, f"the weights' dtype {common}", " with --dtype (dtype=)")
     return torch.float32
+
+
+def _computable(name: str, what: str, how: str = "") -> torch.dtype:
+    """The dtype `name` if a model can compute in it: fp8 weights, say, are a quantised
+    format whose scales tpviz does not apply, and no CPU kernel computes in them."""
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"{what}: a model computes in {', '.join(COMPUTE_DTYPES)}; choose one{how}"
+        )
+    return torch_dtype(name)
 
 
 def _resolve(
