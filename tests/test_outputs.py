@@ -18,7 +18,7 @@ import torch
 import tpviz
 from tpviz.capacity import RANK_PRIVATE_BYTES, host_shortfall
 from tpviz.cli import main
-from tpviz.events import Done, Phase, read_events_dir, refuse_if_written
+from tpviz.events import Done, Phase, check_rank_files, read_events_dir
 from tpviz.launcher import check_memory
 from tpviz.outputs import OutputPathError, OutputWriteError, write_text
 from tpviz.runtime.sink import EventSink
@@ -175,13 +175,20 @@ def test_an_events_dir_another_running_load_writes_is_refused(tmp_path, tiny, ca
     assert "being written by another running load" in late.file_error["message"]
     assert [e.t for e in read_events_dir(events)] == [1.0]  # not emptied, not mixed
     running.emit(Done(0, 3.0, result={"rank": 0}))  # its file ends, and its lock goes
-    refuse_if_written(events)
+    check_rank_files(events)
     running.close()
     os.unlink(events / "rank0.jsonl")
     os.mkfifo(events / "rank0.jsonl")  # no one reads it: neither is waited on
-    refuse_if_written(events)
+    check_rank_files(events)
     fifo = EventSink(0, events_dir=events)
     assert "rank0.jsonl: No such device or address" in fifo.file_error["message"]
+    (events / "rank3.jsonl").mkdir()  # no rank writes it, no load removes it, no follower reads it
+    assert main(["load", str(tiny), "--events", str(events), "--json"]) == 2
+    (error,) = json.loads(capsys.readouterr().out)["errors"]
+    assert error["message"] == (
+        f"events dir {events}: rank3.jsonl is a directory, where a rank writes its events; "
+        "remove it or give another events dir"
+    )
 
 
 @pytest.mark.slow

@@ -237,14 +237,21 @@ def _being_written(path: Path) -> bool:
         os.close(fd)
 
 
-def refuse_if_written(directory: str | os.PathLike, beyond: int = 0) -> None:
-    """Refuse an events dir in which a running load writes rank 0's file or a file of rank
-    `beyond` and up (OutputPathError, naming them): two loads in one dir would mix their
-    events in one file. Rank 0's is checked whatever `beyond` is, as every load has one."""
+def check_rank_files(directory: str | os.PathLike, beyond: int = 0) -> None:
+    """Refuse an events dir whose rank files a load cannot take (OutputPathError, naming
+    them): a directory in a rank file's place (no rank can write it, nor a load remove it), or
+    rank 0's file or one of rank `beyond` and up that a running load writes (two loads in one
+    dir would mix their events in one file; rank 0's is checked whatever `beyond` is, as every
+    load has one)."""
+    files = rank_files(directory)
+    dirs = [p.name for p in files.values() if p.is_dir()]
+    if dirs:
+        raise OutputPathError(
+            f"events dir {directory}: {', '.join(dirs)} is a directory, where a rank writes "
+            "its events; remove it or give another events dir"
+        )
     busy = [
-        p.name
-        for rank, p in rank_files(directory).items()
-        if (rank >= beyond or rank == 0) and _being_written(p)
+        p.name for rank, p in files.items() if (rank >= beyond or rank == 0) and _being_written(p)
     ]
     if busy:
         raise OutputPathError(f"events dir {directory}: {', '.join(busy)} {BUSY}")

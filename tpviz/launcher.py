@@ -22,7 +22,7 @@ import torch
 
 from .capacity import free_task_slots, host_shortfall
 from .errors import LoadError, MemoryForecastError
-from .events import check_apart_from_events, refuse_if_written, remove_rank_files
+from .events import check_apart_from_events, check_rank_files, remove_rank_files
 from .job import HEARTBEAT_TIMEOUT, LoadJob
 from .liveness import check_seconds
 from .outputs import check_output_dir
@@ -188,7 +188,7 @@ def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
     events_dir, profile_dir = a.events_dir, a.profile_dir
     if events_dir:
         events_dir = check_output_dir(events_dir, "events dir", resolved.source)
-        refuse_if_written(events_dir)
+        check_rank_files(events_dir)
     if profile_dir:
         profile_dir = check_output_dir(profile_dir, "profile dir", resolved.source)
         check_apart_from_events(profile_dir, "profile dir", events_dir)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..events import refuse_if_written, remove_rank_files
+from ..events import check_rank_files, remove_rank_files
 from ..liveness import check_seconds
 from ..outputs import OutputPathError, check_output_dir
 from ..plan import ResolvedPlan, resolve_plan
@@ -113,8 +113,8 @@ def _own_events_dir(
         return None, None
     try:
         directory = check_output_dir(events_dir, "events dir", source)
-        if dist.get_rank() == 0:  # the others may have begun theirs: see refuse_if_written
-            refuse_if_written(directory, beyond=dist.get_world_size())
+        if dist.get_rank() == 0:  # the others may have begun theirs: see check_rank_files
+            check_rank_files(directory, beyond=dist.get_world_size())
             remove_rank_files(directory, beyond=dist.get_world_size())
     except OutputPathError as e:
         return None, str(e)
