@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -55,3 +56,17 @@ def test_the_choices_mirror_their_registries():
     assert choices.STRATEGIES == tuple(STRATEGIES)
     assert choices.PRESETS == tuple(PRESETS)
     assert all(torch_dtype(d).is_floating_point for d in choices.TARGET_DTYPES)
+
+
+def test_arguments_the_parser_refuses_are_json_too_under_json(capsys):
+    """--json promises JSON on stdout also on failure: a usage error is no exception."""
+    assert main(["load", "ck", "--strategy", "fastest", "--json"]) == 2
+    out, err = capsys.readouterr()
+    (error,) = json.loads(out)["errors"]
+    assert error["code"] == "UsageError" and "invalid choice: 'fastest'" in error["message"]
+    assert err.startswith("tpviz load: error: argument --strategy: invalid choice") and (
+        err.strip().count("\n") == 0 and err.strip().endswith("(see tpviz load --help)")
+    )
+    assert main(["plan", "ck", "--world-size", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "must be a positive integer, not '0'" in err

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from .cli_parser import STRATEGIES, build_parser
+from .cli_parser import STRATEGIES, UsageError, build_parser
 from .format import first_line
 
 if TYPE_CHECKING:
@@ -65,7 +65,14 @@ def _stop_signals_interrupt() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:  # refused as any other input is: one line, and JSON if asked
+        if "--json" in argv:
+            print(json.dumps({"errors": _error_list(e)}))
+        print(f"{e.prog}: error: {e}", file=sys.stderr)
+        return INVALID_INPUT
     from .rankserver import rank_imports, start_server
     from .tempdirs import keep_torch_cache_out_of_tmpdir
 

@@ -89,7 +89,15 @@ class _Parser(argparse.ArgumentParser):
     usage is, not the usage itself first (ten lines before the line that matters)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        raise UsageError(f"{message} (see {self.prog} --help)", self.prog)
+
+
+class UsageError(ValueError):
+    """Arguments the parser refuses; `prog` is the (sub)command whose usage they break."""
+
+    def __init__(self, message: str, prog: str):
+        super().__init__(message)
+        self.prog = prog
 
 
 def build_parser() -> argparse.ArgumentParser:
