@@ -730,6 +730,23 @@ def test_quantized_weights_are_refused_by_name_not_as_unexpected_tensors(ck, cap
     assert main(["plan", str(ck), "--world-size", "2"]) == 0
 
 
+def test_scales_without_a_quantization_config_are_counted_and_said_to_look_quantized(ck, capsys):
+    weights = ck / "model.safetensors"
+    tensors = load_file(weights)
+    for layer in range(2):  # fp8 weights with DeepSeek-V3's block scales, as 7 + 7 extra tensors
+        for proj in ("q", "k", "v", "o", "gate", "up", "down"):
+            part = "mlp" if proj in ("gate", "up", "down") else "self_attn"
+            key = f"model.layers.{layer}.{part}.{proj}_proj.weight_scale_inv"
+            tensors[key] = torch.ones(1, 1)
+    save_file(tensors, weights)
+    err = refused(capsys, "plan", ck)
+    assert "the weights look quantized, though config.json declares no quantization_config" in err
+    assert err.strip().endswith("; and 13 more plan errors")  # 10 listed, then a line for 4
+    assert main(["plan", str(ck), "--json"]) == 2
+    errors = json.loads(capsys.readouterr().out)["errors"]
+    assert [e["count"] for e in errors] == [1] * 10 + [4]
+
+
 def test_load_sharded_outside_a_process_group_says_how_to_run_it(ck, monkeypatch):
     import tpviz
 

@@ -64,7 +64,7 @@ class Issues:
         for i in self._listing:
             self.items[i] = replace(self.items[i], message=f"{self.items[i].message}; {works}")
         for code, n in self.dropped.items():
-            self.items.append(PlanIssue(code, "", f"... and {n} more {code} issue(s)"))
+            self.items.append(PlanIssue(code, "", f"... and {n} more {code} issue(s)", n))
         return self.items
 
     def _working_world_sizes(self) -> str:

@@ -4,10 +4,22 @@ shape); what the checkpoint lacks, holds beyond the model, or holds twice (tied 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 from ..checkpoint import Checkpoint, torch_dtype
 from ..keymap import Assembly, KeyMap, odd_one_out
+
+MISMATCH_ADVICE = "check that config.json matches the weights"
+# what quantisers save beside or instead of a weight: FP8 block scales, GPTQ/AWQ packed
+# integers and their zero points, MXFP4 blocks
+QUANTIZATION_KEY = re.compile(
+    r"(^|[._])(weight_scale(_inv)?|input_scale|scales|qweight|qzeros|g_idx|zero_point|blocks)$"
+)
+QUANTIZED_ADVICE = (
+    "the weights look quantized, though config.json declares no quantization_config; tpviz "
+    "loads floating-point weights: use an unquantized checkpoint of the model"
+)
 
 
 def match_checkpoint(
@@ -52,7 +64,7 @@ def match_checkpoint(
             "unexpected_tensor",
             name,
             f"{name} is in the checkpoint ({ckpt.tensors[name].file}) but not in the model; "
-            "check that config.json matches the weights",
+            + (QUANTIZED_ADVICE if QUANTIZATION_KEY.search(name) else MISMATCH_ADVICE),
         )
 
 

@@ -25,7 +25,7 @@ class PlanError(ValueError):
     def __init__(self, errors: list[PlanIssue]):
         self.errors = errors
         first = errors[0].message if errors else "invalid plan"
-        n = len(errors) - 1
+        n = sum(e.count for e in errors) - 1
         # said apart from the first message, whose own list (world sizes) it must not extend
         more = f"; and {n} more plan error{'s' if n > 1 else ''}" if n else ""
         super().__init__(first + more)
@@ -81,6 +81,7 @@ class PlanIssue:
     code: str
     name: str
     message: str
+    count: int = 1  # the issues it stands for: one, or those past the listed ones of its code
 
 
 @dataclass
