@@ -242,6 +242,15 @@ def test_a_dtype_no_model_computes_in_is_refused_wherever_it_comes_from(ck, caps
     assert "the weights' dtype float8_e4m3fn: a model computes in" in refused(capsys, "plan", ck)
 
 
+def test_transformers_log_lines_stay_off_the_clis_one_line(ck, monkeypatch):
+    """A fresh process: transformers reads its verbosity as it is imported."""
+    _config(ck, rope_scaling={"rope_type": "frob", "factor": 2.0})  # transformers logs, then fails
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    done = run_cli("plan", str(ck))
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
+    assert "[transformers]" not in done.stderr and "KeyError: 'frob'" in done.stderr
+
+
 def test_absurd_layer_count_is_refused_at_once_for_a_config_only_plan(tmp_path, capsys):
     source = tmp_path / "deep"
     source.mkdir()

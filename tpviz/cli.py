@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     from .tempdirs import keep_torch_cache_out_of_tmpdir
 
     keep_torch_cache_out_of_tmpdir()
+    # transformers' log lines (notes on a config, deprecations) are not the CLI's output, which
+    # is its result, or one line per refusal; TRANSFORMERS_VERBOSITY, if set, still rules
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         if args.command in ("load", "compare", "demo"):
             # its imports (torch; transformers for its models) overlap this process's own work
