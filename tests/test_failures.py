@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -138,6 +139,17 @@ def test_a_value_float16_cannot_hold_fails_the_cast_naming_the_tensor(broken):
     error = expect_failure(source, resolve_plan(source, 2, dtype="float16"), dtype="float16")
     assert f"{name}: inf after the cast from float32 to float16" in str(error)
     assert error.module == "model.layers.1.mlp.down_proj" and error.rank == 0
+
+
+@pytest.mark.slow
+def test_weights_that_compute_nan_are_blamed_for_it_not_the_plan(broken):
+    source, plan = broken
+    name = "model.norm.weight"
+    rewrite_shard(source, name, lambda tensors: tensors[name].__setitem__(3, math.nan))
+    with tpviz.launch(source, 2, plan, verify=True) as job:
+        verify = job.wait(PROMPT).verify
+    assert verify["ok"] is False and "max_abs_diff" not in verify  # not "nan is over tolerance"
+    assert "logits are not finite (NaN or inf) in a single process too" in verify["error"]
 
 
 @pytest.mark.slow
