@@ -70,3 +70,6 @@ def test_arguments_the_parser_refuses_are_json_too_under_json(capsys):
     assert main(["plan", "ck", "--world-size", "0"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "must be a positive integer, not '0'" in err
+    for flag in ("--events", "--report", "--profile", "--plan", "--model"):  # not "not given"
+        assert main(["load", "ck", flag, ""]) == 2
+        assert f"argument {flag}: must not be empty" in capsys.readouterr().err

@@ -19,15 +19,29 @@ def _world_size(text: str) -> int:
     return int(text)
 
 
+def _given(text: str) -> str:
+    """A path or name flag: an empty one would be taken for "not given" (no events written)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def _shared(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=_world_size, default=2, help="number of ranks (default 2)")
-    p.add_argument("--plan", help="plan file: {pattern: style} or transformers' tp_plan form")
+    p.add_argument(
+        "--plan", type=_given, help="plan file: {pattern: style} or transformers' tp_plan form"
+    )
     p.add_argument(
         "--dtype",
         choices=TARGET_DTYPES,
         help="target dtype (default: the checkpoint's)",
     )
-    p.add_argument("--model", default="auto", help="auto, builtin, hf or PKG.MOD:FN (default auto)")
+    p.add_argument(
+        "--model",
+        type=_given,
+        default="auto",
+        help="auto, builtin, hf or PKG.MOD:FN (default auto)",
+    )
     p.add_argument(
         "--no-kv-replication",
         action="store_true",
@@ -63,14 +77,20 @@ def _load_flags(p: argparse.ArgumentParser) -> None:
         help="random: initialise from --seed instead of loading",
     )
     p.add_argument("--seed", type=int, help="seed of --init random (default 0)")
-    p.add_argument("--profile", metavar="DIR", help="write torch.profiler traces for TensorBoard")
+    p.add_argument(
+        "--profile", type=_given, metavar="DIR", help="write torch.profiler traces for TensorBoard"
+    )
     p.add_argument(
         "--profile-forward",
         action="store_true",
         help="with --profile, also profile one forward of the fixed prompt",
     )
-    p.add_argument("--events", metavar="DIR", help="write each rank's events as rank{r}.jsonl")
-    p.add_argument("--report", metavar="FILE.html", help="write a self-contained HTML report")
+    p.add_argument(
+        "--events", type=_given, metavar="DIR", help="write each rank's events as rank{r}.jsonl"
+    )
+    p.add_argument(
+        "--report", type=_given, metavar="FILE.html", help="write a self-contained HTML report"
+    )
     p.add_argument("--timeout", type=float, help="fail if loading takes longer (seconds)")
     p.add_argument(
         "--heartbeat-timeout",
