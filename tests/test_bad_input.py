@@ -99,6 +99,13 @@ def _bool_shape(h):
     h[NORM]["shape"] = [True] * 128
 
 
+def test_a_real_dtype_tpviz_does_not_read_is_named_as_such(ck, capsys):
+    path = ck / "model.safetensors"
+    rewrite_header(path, lambda h: h[NORM].update(dtype="U32"))  # same width as F32
+    err = refused(capsys, "plan", ck)
+    assert f"tensor {NORM!r} is stored as U32, a dtype tpviz does not read (it reads F64" in err
+
+
 @pytest.mark.parametrize(
     "change, tensor",
     [(_negative, NORM), (_shared, NORM), (_float_offsets, NORM), (_bool_shape, NORM)],

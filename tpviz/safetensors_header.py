@@ -118,6 +118,14 @@ def _header_json(path: str, size: int) -> tuple[dict, int]:
 
 
 def _tensor_info(path: str, name: str, entry: Any, base: int, size: int) -> TensorInfo:
+    tag = entry.get("dtype") if isinstance(entry, dict) else None
+    if isinstance(tag, str) and tag not in SAFETENSORS_DTYPES:  # a real one (U32, C64, ...)
+        raise CheckpointError(
+            f"{path}: tensor {name!r} is stored as {tag}, a dtype tpviz does not read (it reads "
+            f"{', '.join(SAFETENSORS_DTYPES)})",
+            path,
+            name,
+        )
     try:
         dtype = SAFETENSORS_DTYPES[entry["dtype"]]
         shape = tuple(_count(d) for d in entry["shape"])
