@@ -233,11 +233,17 @@ def test_an_embedding_with_a_module_inside_computing_on_its_rows_is_not_cut_by_v
 
 
 def test_pattern_that_matches_nothing_is_a_warning():
-    plan = toy_plan({"layers.*.mlp.w1": "colwise"})
+    plan = toy_plan({"layers.*.mlp.w1": "colwise", "layers.*": "colwise"})
     assert [(w.code, w.name) for w in plan.warnings] == [
         ("unmatched_pattern", "layers.*.mlp.w1"),
+        ("unmatched_pattern", "layers.*"),
         ("mostly_replicated", ""),  # and so the plan shards nothing
     ]
+    assert plan.warnings[0].message == "plan key 'layers.*.mlp.w1' matches no module or tensor"
+    assert plan.warnings[1].message.startswith(  # not "matches no module": it does
+        "plan key 'layers.*' matches only modules without parameters of their own (such as "
+        "layers.0): its style reaches nothing"
+    )
     assert not plan.errors
 
 

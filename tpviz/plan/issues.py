@@ -99,11 +99,19 @@ def report_unsupported(unsupported: dict[str, list[str]], errors: Issues) -> Non
         )
 
 
-def report_unmatched(compiled: CompiledPlan, warnings: Issues) -> None:
-    for pattern in (k.pattern for k in compiled.keys if k.pattern not in compiled.used):
-        warnings.add(
-            "unmatched_pattern", pattern, f"plan key {pattern!r} matches no module or tensor"
+def report_unmatched(compiled: CompiledPlan, modules: Iterable[str], warnings: Issues) -> None:
+    """A warning per plan key that styles nothing: it matches no name, or only modules that
+    hold no parameters of their own (a style acts on a module's own tensors)."""
+    unused = [k for k in compiled.keys if k.pattern not in compiled.used]
+    holders = {k.pattern: next((m for m in modules if k.regex.search(m)), None) for k in unused}
+    for pattern, holder in holders.items():
+        what = (
+            f"matches only modules without parameters of their own (such as {holder}): its "
+            "style reaches nothing; give it to the modules inside that hold the weights"
+            if holder
+            else "matches no module or tensor"
         )
+        warnings.add("unmatched_pattern", pattern, f"plan key {pattern!r} {what}")
 
 
 def check_tie(first: TensorPlan, name: str, dim: int | None, errors: Issues) -> None:

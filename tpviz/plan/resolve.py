@@ -279,7 +279,8 @@ def _resolve(
         walk.visit(mod_name, module)
     report_unsupported(walk.unsupported, issues.errors)
     if given:
-        report_unmatched(compiled, issues.warnings)
+        modules = [name for name, _ in found.skeleton.named_modules()]
+        report_unmatched(compiled, modules, issues.warnings)
     counts = found.adapter.head_counts(found.config)
     kv_groups = check_heads(
         found.skeleton, counts, walk.entries, walk.module_styles, world_size, issues, kv_replication
