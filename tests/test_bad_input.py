@@ -342,6 +342,7 @@ def test_deeply_nested_header_and_config(ck, capsys):
     header = raw[8 : 8 + length].rstrip()[:-1] + b', "__metadata__": ' + deep + b"}"
     path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + length :])
     assert "nested too deeply" in refused(capsys, "plan", ck)
+    path.write_bytes(raw)
     (ck / "config.json").write_bytes(deep)
     err = refused(capsys, "plan", ck)
     assert str(ck / "config.json") in err and "nested too deeply" in err
@@ -375,6 +376,10 @@ def test_a_source_file_that_is_not_a_checkpoint_file_is_called_so(ck, capsys):
     err = refused(capsys, "plan", ck / "config.json")
     assert f"{ck / 'config.json'}: not a checkpoint file (*.safetensors, or an index" in err
     assert "give the checkpoint directory" in err and "corrupt" not in err
+    notes = ck.parent / "notes" / "notes.txt"  # in a dir without config.json: its kind first
+    notes.parent.mkdir()
+    notes.write_text("not weights")
+    assert f"{notes}: not a checkpoint file" in refused(capsys, "plan", notes)
 
 
 @pytest.mark.parametrize("file", ["config.json", "model.safetensors.index.json", "plan.json"])

@@ -167,10 +167,11 @@ def read_source(
     """What resolving or loading a checkpoint (or config) directory reads first: its config,
     the adapter `model` chooses for it, the headers of the checkpoint at `weights` (None: none
     read), and the meta skeleton built for the target dtype (`dtype`, else the source's)."""
+    # the weights first: a file that is no checkpoint is said so, not that no config is beside it
+    ckpt = Checkpoint.open(weights) if weights is not None else None
     config = read_config(source)
     with naming_config_file(source):
         adapter = get_adapter(config, model, source)
-        ckpt = Checkpoint.open(weights) if weights is not None else None
         if ckpt is not None and ckpt.has_weights:
             check_unquantized(config, ckpt.path)
         target = _target_dtype(dtype, config, ckpt)
