@@ -157,6 +157,13 @@ def test_an_events_file_on_a_full_disk_is_reported_not_raised(tmp_path):
     assert error["path"] == str(events) and "rank0.jsonl: No space left" in error["message"]
 
 
+@pytest.mark.parametrize("key", ["events_dir", "profile_dir"])
+def test_an_empty_output_dir_is_refused_not_taken_for_none(tiny, key):
+    with pytest.raises(ValueError, match=f"{key} must be a directory's path .*, not ''"):
+        tpviz.launch(tiny, 2, **{key: ""})
+    assert children() == []
+
+
 def test_an_events_dir_another_running_load_writes_is_refused(tmp_path, tiny, capsys):
     """Each rank holds its events file's lock until its done: a second load into the same dir
     is refused before any rank starts, and a rank that meets a held file leaves it alone."""

@@ -186,10 +186,10 @@ def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
         )
     _check_device(a.device, a.world_size)
     events_dir, profile_dir = a.events_dir, a.profile_dir
-    if events_dir:
+    if events_dir is not None:  # "" is refused, not taken for none
         events_dir = check_output_dir(events_dir, "events dir", resolved.source)
         check_rank_files(events_dir)
-    if profile_dir:
+    if profile_dir is not None:
         profile_dir = check_output_dir(profile_dir, "profile dir", resolved.source)
         check_apart_from_events(profile_dir, "profile dir", events_dir)
     options = LoadOptions(a.strategy, a.init, a.seed, a.memory_hz, profile_dir, a.profile_forward)

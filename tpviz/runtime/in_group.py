@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..events import check_rank_files, remove_rank_files
 from ..liveness import check_seconds
-from ..outputs import OutputPathError, check_output_dir
+from ..outputs import check_output_dir
 from ..plan import ResolvedPlan, resolve_plan
 from ..plan.patterns import load_plan_patterns
 from ..plan.resolve import SourceModel, read_source, resolve_and_keep
@@ -109,14 +109,14 @@ def _own_events_dir(
     file starts empty; rank 0 refuses a dir another running load writes in, and removes the
     files of ranks beyond this world (an earlier, larger load's), which a follower would take
     for this load's."""
-    if not events_dir:
+    if events_dir is None:
         return None, None
     try:
         directory = check_output_dir(events_dir, "events dir", source)
         if dist.get_rank() == 0:  # the others may have begun theirs: see check_rank_files
             check_rank_files(directory, beyond=dist.get_world_size())
             remove_rank_files(directory, beyond=dist.get_world_size())
-    except OutputPathError as e:
+    except ValueError as e:  # OutputPathError, or a path that is none (said on every rank)
         return None, str(e)
     return directory, None
 
