@@ -239,6 +239,23 @@ def test_tiny_at_other_world_sizes(tiny, world_size):
     assert [r["param_bytes"] for r in result["ranks"]] == plan.per_rank_bytes
 
 
+def test_bfloat16_logits_of_a_real_models_scale_verify_within_their_rounding(tmp_path):
+    """Real models' logits reach 10-40, where one bfloat16 step is 0.06-0.25: verify's bound
+    grows with the logits' scale (an absolute 5e-2 failed every such model)."""
+    from safetensors.torch import load_file, save_file
+
+    from tpviz.models.demo import make_checkpoint
+
+    ck = make_checkpoint(tmp_path / "ck", "tiny", dtype="bfloat16")
+    weights = ck / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["lm_head.weight"] = (tensors["lm_head.weight"].float() * 100).bfloat16()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with tpviz.launch(ck, 2, verify=True) as job:
+        verify = job.wait(180).verify
+    assert verify["ok"] and 5e-2 < verify["max_abs_diff"] < verify["tolerance"] / 4
+
+
 def tied_storage(model):
     from tpviz.models.adapter import local_of
 

@@ -70,5 +70,7 @@ def test_verify_tolerates_rounding_only_in_16_bit_dtypes():
     from tpviz.runtime.verify import tolerance
 
     # the Python API takes float64 too: it is held to float32's bound, not bfloat16's
-    assert tolerance("float64") == tolerance("float32") == 1e-4
-    assert tolerance("bfloat16") == tolerance("float16") == 5e-2
+    assert tolerance("float64", 0.5) == tolerance("float32", 0.5) == 1e-4
+    assert tolerance("bfloat16", 0.5) == tolerance("float16", 1.0) == 5e-2
+    # relative to the logits' scale past 1: one bfloat16 step at 20 is 0.125
+    assert tolerance("bfloat16", 20.0) == 1.0 and tolerance("float32", 20.0) == 2e-3
