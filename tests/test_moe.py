@@ -422,3 +422,21 @@ def test_experts_are_found_by_their_own_count_whatever_the_config_calls_it(tmp_p
     for experts, placement in [("tp", "shard(1)"), ("ep", "shard(0)")]:
         plan = tpviz.resolve_plan(tmp_path, 2, experts=experts)
         assert not plan.errors and plan.tensor(name).placement == placement
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_16_bit_moe_off_its_reference_is_told_its_routing_may_have_tipped(moe, dtype):
+    """A router's top-k can flip on one rounding step of a 16-bit dtype, which no tolerance
+    covers: the failure says to check the plan in float32, where routing does not tip."""
+    from tpviz.runtime.options import LoadOptions
+    from tpviz.runtime.verify import ROUTING_NOTE, fixed_prompt, reference_logits, verify_forward
+
+    plan = tpviz.resolve_plan(moe["mixtral"], 2, dtype=dtype)
+    options = LoadOptions()
+
+    def off_by_one(ids):  # logits as a rank whose router tipped might give them
+        return reference_logits(plan, options, ids) + 1.0
+
+    report = verify_forward(plan, options, fixed_prompt(plan), off_by_one)
+    assert report["ok"] is False
+    assert report.get("note") == (ROUTING_NOTE if dtype == "bfloat16" else None)

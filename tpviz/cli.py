@@ -258,7 +258,7 @@ def _failures(result: LoadResult, label: str = "") -> list[dict]:
     if verify.get("ok") is False:
         why = verify.get("error") or (
             f"max |logits - reference| = {verify['max_abs_diff']:.3g} is above the tolerance "
-            f"{verify['tolerance']:g}"
+            f"{verify['tolerance']:g}" + (f"; {verify['note']}" if verify.get("note") else "")
         )
         out.append(("VerifyFailed", f"verify failed: {why}"))
     if (result.init_check or {}).get("ok", True) is False:
