@@ -221,6 +221,12 @@ def test_an_uneven_expert_split_is_refused_with_the_world_sizes_that_work(tmp_pa
     assert not tpviz.resolve_plan(tmp_path, 2, plan_file).errors
     with pytest.raises(tpviz.PlanError, match="uneven_experts|intermediate features"):
         tpviz.launch(tmp_path, 4, plan_file, init="random")
+    # 4 experts do not split over 8 ranks either: whole experts are not offered there
+    uneven = [
+        e for e in tpviz.resolve_plan(tmp_path, 8, plan_file).errors if e.code == "uneven_experts"
+    ]
+    assert uneven and "--experts ep" not in uneven[0].message
+    assert "keep them whole ('model.layers.*.mlp.experts': 'replicate'" in uneven[0].message
 
 
 def test_every_plan_error_suggests_only_world_sizes_that_meet_all_constraints(tmp_path):

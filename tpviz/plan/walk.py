@@ -182,25 +182,28 @@ class Walk:
             )
             cut = styles.Cut(cut.dim)
         if forward and forward.needs_even_split and cut.dim is not None:
-            self._check_expert_split(t.name, shape[cut.dim] // cut.parts)
+            self._check_expert_split(t.name, shape[cut.dim] // cut.parts, shape[0])
         key = own_key or forward_key
         return self._entry(t, style, key, cut, shape)
 
-    def _check_expert_split(self, name: str, features: int) -> None:
+    def _check_expert_split(self, name: str, features: int, experts: int) -> None:
         """Experts cut by TP run transformers' experts kernel on every rank's slices; its
         grouped matmul needs equal, aligned slices, so an uneven split is refused before launch
-        (the plan itself would follow torch.chunk semantics)."""
+        (the plan itself would follow torch.chunk semantics). `experts`: how many the tensor
+        stacks; whole experts per rank is advised only where they split evenly."""
         self.errors.require_divisor_of(features)
         if features % self.world_size == 0:
             return
         module = ".".join("*" if s.isdigit() else s for s in name.split(".")[:-1])
+        by_expert = "give each rank whole experts (--experts ep), or " * (
+            experts % self.world_size == 0
+        )
         self.errors.add(
             "uneven_experts",
             name,
             f"{name}: {features} intermediate features of every expert cannot be split evenly "
             f"over {self.world_size} ranks (transformers' experts kernel needs equal slices): "
-            f"give each rank whole experts (--experts ep), or keep them whole ({module!r}: "
-            "'replicate' in the plan)",
+            f"{by_expert}keep them whole ({module!r}: 'replicate' in the plan)",
             lists_world_sizes=True,
         )
 
