@@ -259,7 +259,8 @@ def test_suggest_check_loads_on_real_ranks_and_matches(checkpoint, capsys, name,
     data = json.loads(capsys.readouterr().out)
     check = data["check"]
     assert check["ok"] and check["plan_matches_shards"] and check["world_size"] == world_size
-    assert check["max_abs_diff"] <= check["tolerance"] == 1e-4
+    # float32's 1e-4, times the largest logit where it is above 1 (these are about 1)
+    assert check["max_abs_diff"] <= check["tolerance"] and 1e-4 <= check["tolerance"] < 1e-3
     assert all(any(p.endswith(m) for p in data["tp_plan"]) for m in MLP[name])
 
 
