@@ -251,7 +251,19 @@ def assert_ended_soon(pids: list[int]) -> None:
     deadline = time.monotonic() + PROMPT
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
+    survivors = [_described(p) for p in pids if _alive(p)]
+    assert not survivors, survivors
+
+
+def _described(pid: int) -> str:
+    """What a process that should have ended is doing, for the failure message."""
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            threads = [t.id for t in p.threads()]
+            return f"{pid} {p.status()} ppid {p.ppid()} {p.cmdline()[:3]} threads {threads}"
+    except psutil.Error as e:
+        return f"{pid}: {e}"
 
 
 def _alive(pid: int) -> bool:
