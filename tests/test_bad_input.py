@@ -99,6 +99,16 @@ def _bool_shape(h):
     h[NORM]["shape"] = [True] * 128
 
 
+def test_a_header_length_counting_into_the_tensors_is_called_a_corrupt_length(ck, capsys):
+    path = ck / "model.safetensors"
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    path.write_bytes(struct.pack("<Q", length + 8) + raw[8:])  # 8 bytes of the first tensor
+    err = refused(capsys, "plan", ck)
+    assert f"{path}: corrupt safetensors file: its header length field counts {length + 8}" in err
+    assert "UTF-8" not in err
+
+
 def test_a_real_dtype_tpviz_does_not_read_is_named_as_such(ck, capsys):
     path = ck / "model.safetensors"
     rewrite_header(path, lambda h: h[NORM].update(dtype="U32"))  # same width as F32

@@ -9,6 +9,7 @@ tensor), the layout of all of them together by the safetensors package itself.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import re
@@ -107,7 +108,12 @@ def _header_json(path: str, size: int) -> tuple[dict, int]:
                 f"file has {size}); re-create or re-download it",
                 path,
             )
-        header = parse_json(f.read(length), path, "safetensors header", CheckpointError, True)
+        raw = f.read(length)
+    try:
+        header = parse_json(raw, path, "safetensors header", CheckpointError, True)
+    except CheckpointError:
+        _refuse_overlong(path, raw)
+        raise
     if not isinstance(header, dict):
         raise CheckpointError(
             f"{path}: corrupt safetensors header: a JSON {type(header).__name__}, not an object "
@@ -115,6 +121,23 @@ def _header_json(path: str, size: int) -> tuple[dict, int]:
             path,
         )
     return header, 8 + length
+
+
+def _refuse_overlong(path: str, raw: bytes) -> None:
+    """A header that does not parse because its length field counts past its JSON (into the
+    tensors' bytes) is a corrupt length, not text that is not UTF-8 or JSON."""
+    text = raw.decode("utf-8", "replace")
+    try:
+        header, end = json.JSONDecoder().raw_decode(text)
+    except (json.JSONDecodeError, RecursionError):  # what parse_json said stands
+        return
+    if isinstance(header, dict) and text[end:].strip():
+        raise CheckpointError(
+            f"{path}: corrupt safetensors file: its header length field counts {len(raw)} "
+            f"bytes, but the header ends after {len(text[:end].encode())}; re-create or "
+            "re-download it",
+            path,
+        ) from None
 
 
 def _tensor_info(path: str, name: str, entry: Any, base: int, size: int) -> TensorInfo:
