@@ -7,6 +7,7 @@ tests/test_cli_help.py keeps them equal."""
 STRATEGIES = ("sliced", "rank0_broadcast", "replicated")
 TARGET_DTYPES = ("float32", "bfloat16", "float16")  # what --dtype offers
 COMPUTE_DTYPES = (*TARGET_DTYPES, "float64")  # what a model computes in: Python takes these
+SIXTEEN_BIT_DTYPES = ("bfloat16", "float16")  # whose rounding verify's bound allows for
 PRESETS = ("tiny", "small", "medium")
 
 LLAMA_ARCHITECTURES = frozenset({"LlamaForCausalLM"})

@@ -10,6 +10,7 @@ before it imports transformers.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -36,8 +37,9 @@ def remove_stale_workdirs() -> None:
         try:
             fd = os.open(os.path.join(path, LOCK), os.O_RDONLY)
         except OSError:  # not ours, or not (yet) locked: stale only if its maker is gone
-            if _maker_is_gone(name):
-                _remove_if_empty(path)
+            if _maker_is_gone(name):  # empty until its lock file is made: else not ours
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -61,14 +63,6 @@ def _maker_is_gone(name: str) -> bool:
     except OSError:  # alive, another user's
         pass
     return False
-
-
-def _remove_if_empty(path: str) -> None:
-    """A workdir is empty until its lock file is made: one with anything in it is not ours."""
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
 
 
 def private_temp_dir() -> str:

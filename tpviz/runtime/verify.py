@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from ..checkpoint import Checkpoint
+from ..choices import SIXTEEN_BIT_DTYPES
 from ..errors import LoadError, failed_in, failing_module
-from ..models import get_adapter, prompt_ids, read_config
+from ..models import get_adapter, logits_tolerance, prompt_ids, read_config
 from ..models.config import error_text
 from ..plan import ResolvedPlan
 from ..plan.experts import expert_count
@@ -23,16 +24,6 @@ ROUTING_NOTE = (
     "a mixture-of-experts router may pick other experts after one 16-bit rounding step: "
     "load in float32 (--dtype float32) to check the plan itself"
 )
-SIXTEEN_BIT = ("bfloat16", "float16")
-
-
-def tolerance(dtype: str, scale: float) -> float:
-    """How far the sharded logits may be from the reference's, whose largest magnitude is
-    `scale`: the summation order differs (all-reduces), which a 16-bit dtype's rounding makes
-    visible, and rounding grows with the values rounded (one bfloat16 step at a logit of 20
-    is 0.125; real models' logits reach 10-40)."""
-    relative = 5e-2 if dtype in SIXTEEN_BIT else 1e-4
-    return relative * max(1.0, scale)
 
 
 def fixed_prompt(plan: ResolvedPlan) -> torch.Tensor:
@@ -92,7 +83,7 @@ def _compare_logits(
             "weights or config.json compute them, whatever the plan"
         )
     diff = (sharded.float() - expected.float()).abs().max().item()
-    limit = tolerance(plan.dtype, expected.float().abs().max().item())
+    limit = logits_tolerance(plan.dtype, expected.float().abs().max().item())
     report: dict[str, Any] = {
         "max_abs_diff": diff,
         "tolerance": limit,
@@ -102,6 +93,10 @@ def _compare_logits(
     if options.init == "random" and options.strategy == "sliced":
         report["note"] = SLICED_RANDOM_NOTE
         report["ok"] = None
-    elif not report["ok"] and plan.dtype in SIXTEEN_BIT and expert_count(read_config(plan.source)):
+    elif (
+        not report["ok"]
+        and plan.dtype in SIXTEEN_BIT_DTYPES
+        and expert_count(read_config(plan.source))
+    ):
         report["note"] = ROUTING_NOTE
     return report

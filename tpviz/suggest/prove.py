@@ -18,12 +18,11 @@ import torch
 from torch import nn
 
 from ..format import first_line
-from ..models import build_skeleton, get_adapter, prompt_ids, read_config
+from ..models import build_skeleton, get_adapter, logits_tolerance, prompt_ids, read_config
 from ..plan import ResolvedPlan, resolve_plan
 from ..plan.experts import fit_expert_kernels
 from .simulate import RankForwardError, run_ranks
 
-TOLERANCE = 1e-4  # relative to the largest logit; the instance runs in float32
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 CHECK_LAYERS = 2  # layers of the checking instance: enough for one layer to feed the next
 MAX_INSTANCE_BYTES = 2 << 30
@@ -85,7 +84,7 @@ class Proof:
                 f"built from its config.json ({type(e).__name__}: {first_line(e)}); no plan "
                 "can be proven against it: check the config"
             ) from e
-        tolerance = TOLERANCE * max(1.0, reference.abs().max().item())
+        tolerance = logits_tolerance("float32", reference.abs().max().item())  # as built
         return cls(instance, run, reference, tolerance, world_size, resolve, **layout)
 
     def check(self, patterns: dict[str, str]) -> tuple[str | None, float]:
