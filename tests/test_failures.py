@@ -171,7 +171,9 @@ def test_rank_killed_from_outside_fails_the_job_naming_it(small, tmp_path):
             os.kill(job._procs[1].pid, signal.SIGKILL)
 
     start = time.monotonic()
-    with tpviz.launch(small, 2, events_dir=tmp_path) as job:
+    # rank0_broadcast: rank 0 cannot finish its load without rank 1 (sliced ranks load apart,
+    # and on a loaded machine rank 0 finished before the kill landed, writing its done)
+    with tpviz.launch(small, 2, events_dir=tmp_path, strategy="rank0_broadcast") as job:
         job.subscribe(kill_rank1)
         with pytest.raises(tpviz.LoadError, match="rank 1 died") as err:
             job.wait(PROMPT)
