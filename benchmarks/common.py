@@ -42,6 +42,29 @@ def gib(n: float) -> str:
     return f"{n / 1024**3:.2f} GiB" if abs(n) >= 1024**3 else f"{n / 1024**2:.0f} MiB"
 
 
+VIRTIO_BALLOON = "0x0005"  # virtio device id of a memory balloon
+BALLOON_FREE_PAGE_REPORTING = 5  # its feature bit: free guest pages go back to the host
+
+
+def fresh_memory_note() -> str:
+    """What the machine says of the cost of fresh memory. Under a virtio balloon with free
+    page reporting, the host takes back free 2 MiB blocks of guest memory a few seconds
+    after they are freed, and the next first touch of them waits on the host: here 305 MiB
+    took 0.05-0.07 s when freed a moment before and 0.41-0.45 s when freed 8 s before. Every
+    loader that owns its memory (tpviz, the floor) pays that in a fresh process, and a
+    loader of mmap'd page cache (transformers) does not, so ratios swing with it."""
+    bit = BALLOON_FREE_PAGE_REPORTING
+    for device in Path("/sys/bus/virtio/devices").glob("*"):
+        with contextlib.suppress(OSError):
+            balloon = (device / "device").read_text().strip() == VIRTIO_BALLOON
+            if balloon and (device / "features").read_text()[bit : bit + 1] == "1":
+                return (
+                    "memory balloon with free page reporting: fresh memory is slow to fault "
+                    "in when the host has taken it back (see common.py)"
+                )
+    return "no free page reporting seen"
+
+
 def parse_args(description: str) -> tuple[argparse.Namespace, Path]:
     """`[SOURCE] [--world-size N] [--rounds N]`; SOURCE defaults to the medium demo."""
     parser = argparse.ArgumentParser(description=description)

@@ -40,7 +40,7 @@ import time
 import timeit
 
 import torch
-from common import floor_in_rank, gib, median, parse_args, plan_reads_in_rank
+from common import floor_in_rank, fresh_memory_note, gib, median, parse_args, plan_reads_in_rank
 
 import tpviz
 from tpviz.profiling import no_span
@@ -116,7 +116,7 @@ def main() -> None:
     plan.raise_for_errors()
     print(
         f"{source}: {gib(plan.total_bytes)} {plan.dtype}, world size {w}, "
-        f"{os.cpu_count()} CPU cores, {args.rounds} rounds"
+        f"{os.cpu_count()} CPU cores, {args.rounds} rounds; {fresh_memory_note()}"
     )
 
     with tpviz.launch(source, w, plan) as job:  # warm the page cache: every run reads warm

@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import gib, median, parse_args
+from common import fresh_memory_note, gib, median, parse_args
 
 HERE = Path(__file__).resolve().parent
 LOADERS = ("transformers", "tpviz", "floor", "floor-huge")
@@ -88,7 +88,8 @@ def main() -> None:
     size = sum(f.stat().st_size for f in source.glob("*.safetensors"))
     print(
         f"{source} ({size / 1e6:.0f} MB), world size {args.world_size}, {os.cpu_count()} "
-        f"CPU cores, {args.rounds} alternating rounds, THP_MEM_ALLOC_ENABLE={THP} in every run"
+        f"CPU cores, {args.rounds} alternating rounds, THP_MEM_ALLOC_ENABLE={THP} in every run; "
+        + fresh_memory_note()
     )
     runs: dict[str, list[list[dict]]] = {w: [] for w in LOADERS}
     with tempfile.TemporaryDirectory() as tmp:
