@@ -6,6 +6,7 @@ One loaded 2-rank job is shared by most assertions; other world sizes each load 
 from __future__ import annotations
 
 import collections
+import importlib
 import json
 import re
 import threading
@@ -200,6 +201,18 @@ def test_a_failed_call_is_one_line_with_the_traceback_beside_it_and_the_job_live
         with pytest.raises((ValueError, TypeError), match=re.escape(words)):
             job2.call(fn)
     assert job2.state == "loaded"
+
+
+def test_a_call_whose_arguments_the_ranks_cannot_import_fails_alone(job2, tmp_path, monkeypatch):
+    """A function or class the ranks cannot import by name (a module the caller put on its
+    path after the ranks started, as a notebook's own functions are) fails the call; the
+    ranks stay loaded."""
+    (tmp_path / "made_after_launch.py").write_text("def fn(model):\n    return 1\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    made_after_launch = importlib.import_module("made_after_launch")
+    with pytest.raises(tpviz.LoadError, match=r"^rank 0: call failed: the rank cannot read its"):
+        job2.call(made_after_launch.fn)
+    assert job2.state == "loaded" and len(job2.call(shard_fingerprint, "model.norm.weight")) == 2
 
 
 def test_events_cover_phases_units_and_memory(job2):

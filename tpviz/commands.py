@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -80,7 +81,7 @@ class CommandChannel:
                 # reference for the memory a load leaves behind
                 self._ranks.reference_baselines = None
         try:
-            self._send(Command(name, command_id, args))
+            self._send(name, command_id, args)
             with self._cond:
                 self._wait(command_id, given_up, straggler_seconds)
                 return dict(self._replies[command_id])
@@ -89,18 +90,18 @@ class CommandChannel:
                 del self._replies[command_id]
                 self.running = None
 
-    def _send(self, command: Command) -> None:
+    def _send(self, name: CommandName, command_id: int, args: tuple[Any, ...] = ()) -> None:
         """To every rank; a dead rank breaks its pipe, which the pump reports, failing the job.
         Arguments pickle cannot send are refused before any rank gets the command."""
         try:
-            self._ranks.send_all(command)
-        except OSError:
-            pass
+            command = Command.sent(name, command_id, args)
         except Exception as e:  # noqa: BLE001 - pickle raises several kinds for what it cannot send
             raise ValueError(
-                f"{command.name}: its arguments cannot be sent to the ranks ({type(e).__name__}: "
-                f"{e}); pass what pickle can send: numbers, strings, tensors, lists, dicts"
+                f"{name}: its arguments cannot be sent to the ranks ({type(e).__name__}: {e}); "
+                "pass what pickle can send: numbers, strings, tensors, lists, dicts"
             ) from None
+        with contextlib.suppress(OSError):
+            self._ranks.send_all(command)
 
     def _wait(self, command_id: int, given_up: Callable[[], bool], straggler: float) -> None:
         """Until every rank replied, the job ended, or `straggler` seconds passed since the
@@ -120,8 +121,8 @@ class CommandChannel:
 
     def reload(self, spec: Any) -> None:
         """Send every (loaded, idle) rank the next load's WorkerSpec; its events answer."""
-        self._send(Command(CommandName.RELOAD, next(self._ranks.command_ids), (spec,)))
+        self._send(CommandName.RELOAD, next(self._ranks.command_ids), (spec,))
 
     def shutdown(self) -> None:
         """Ask every rank to leave its command loop."""
-        self._send(Command(CommandName.SHUTDOWN, next(self._ranks.command_ids), ()))
+        self._send(CommandName.SHUTDOWN, next(self._ranks.command_ids))

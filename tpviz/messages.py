@@ -7,6 +7,7 @@ the heartbeat sends `Beat` while the rank is still importing torch.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -47,9 +48,21 @@ class Reply:
 
 @dataclass(frozen=True, slots=True)
 class Command:
+    """A command and its arguments, pickled apart from it (`sent`): a rank that cannot
+    unpickle them (a function or class defined in the caller's `__main__`, which the rank
+    does not have) fails that command, and stays loaded, instead of failing to read it."""
+
     name: CommandName
     command_id: int
-    args: tuple[Any, ...] = ()
+    pickled_args: bytes
+
+    @classmethod
+    def sent(cls, name: CommandName, command_id: int, args: tuple[Any, ...] = ()) -> Command:
+        """Raises what pickle raises for arguments it cannot send."""
+        return cls(name, command_id, pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def args(self) -> tuple[Any, ...]:
+        return pickle.loads(self.pickled_args)
 
 
 Message = Beat | EventBatch | Reply | Command

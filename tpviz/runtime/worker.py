@@ -47,6 +47,10 @@ DTENSOR_MET_OUTSIDE = (
     "the model's code uses a tensor this rank holds as a DTensor outside its module; "
     "`tpviz plan --simulate` names it, `tpviz plan --suggest` finds a plan that runs"
 )
+UNREADABLE_ARGS = (
+    "the rank cannot read its arguments (what it imports by name must be importable there: "
+    "define functions and classes in a module, not in a notebook or `python -c`): "
+)
 OUT_OF_MEMORY = "the rank ran out of memory: give it a smaller input, or load over more ranks"
 # a forward that fails inside a module on the ranks, where the whole model runs, fails on what
 # the plan cut (a shipped plan may not fit its own model's code: Doge's)
@@ -149,7 +153,7 @@ def _serve(loaded: ShardedModel, channel: Channel) -> WorkerSpec | None:
         if command.name is CommandName.RELOAD:
             # heard at once, so the release of this model is the reload's `imports` phase
             channel.send(Beat(time.time()))
-            return command.args[0]
+            return command.args()[0]
         reply = _run_command(loaded, command)
         try:
             channel.send(reply)
@@ -159,7 +163,11 @@ def _serve(loaded: ShardedModel, channel: Channel) -> WorkerSpec | None:
 
 def _run_command(loaded: ShardedModel, command: Command) -> Reply:
     try:
-        payload = COMMANDS[command.name](loaded, *command.args)
+        args = command.args()
+    except Exception as e:  # e.g. a function of the caller's __main__, which the rank lacks
+        return _failed(loaded, command, e, UNREADABLE_ARGS)
+    try:
+        payload = COMMANDS[command.name](loaded, *args)
     except Exception as e:
         return _failed(loaded, command, e)
     return Reply(command.command_id, True, payload)
