@@ -203,6 +203,35 @@ def test_a_failed_call_is_one_line_with_the_traceback_beside_it_and_the_job_live
     assert job2.state == "loaded"
 
 
+def test_verify_checks_the_model_unsharded_only_for_a_forward_that_failed_on_a_rank(
+    tiny, monkeypatch
+):
+    """A sharded forward that failed on a rank is run again in one process, to blame the
+    model rather than the plan if it fails there too; one that ended because the job did
+    (cancelled, a rank dead) builds no whole copy of the model for a job that is gone."""
+    from tpviz.errors import CommandFailed
+    from tpviz.runtime import verify
+    from tpviz.runtime.options import LoadOptions
+
+    plan, options, built = resolve_plan(tiny, 2), LoadOptions(), []
+    reference_logits = verify.reference_logits
+    monkeypatch.setattr(
+        verify, "reference_logits", lambda *a: built.append(a) or reference_logits(*a)
+    )
+    for error, builds in [
+        (tpviz.LoadError("the load was cancelled"), 0),
+        (CommandFailed("rank 0: forward failed: RuntimeError: x", 0), 1),
+    ]:
+
+        def forward(ids, error=error):
+            raise error
+
+        with pytest.raises(type(error)):
+            verify.verify_forward(plan, options, verify.fixed_prompt(plan), forward)
+        assert len(built) == builds
+        built.clear()
+
+
 def test_a_call_whose_arguments_the_ranks_cannot_import_fails_alone(job2, tmp_path, monkeypatch):
     """A function or class the ranks cannot import by name (a module the caller put on its
     path after the ranks started, as a notebook's own functions are) fails the call; the

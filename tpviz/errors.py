@@ -49,3 +49,8 @@ class LoadError(RuntimeError):
 
 class MemoryForecastError(LoadError):
     pass
+
+
+class CommandFailed(LoadError):
+    """A command (forward, call, ...) failed on a rank, which said why; the ranks may still be
+    loaded. Not a job that ended (cancelled, a rank dead), which fails every command."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .commands import CommandChannel, check_callable, first_failed
-from .errors import LoadError
+from .errors import CommandFailed, LoadError
 from .eventlog import EventLog
 from .events import LAUNCHER_RANK, Done, Error, Event, JobState, Phase, end_rank_files
 from .liveness import (
@@ -216,10 +216,9 @@ class LoadJob:
             startup_marks=[p.startup_marks() for p in self.progress.values()],
         )
         self._check_released()
-        if self.verify_requested:
-            threading.Thread(
-                target=self._verify_then_ready, name="tpviz-verify", daemon=True
-            ).start()
+        if self.verify_requested:  # not a daemon: an exit amid its torch work aborts the process
+            verify = self._verify_then_ready  # (the pump, which runs this, is one)
+            threading.Thread(target=verify, name="tpviz-verify", daemon=False).start()
         else:
             self._set_state(JobState.LOADED)
 
@@ -284,7 +283,8 @@ class LoadJob:
         replies = self._replies(name, args)
         failed = first_failed(replies)
         if failed is not None:  # the traceback stays on the error, off its message
-            error = LoadError(replies[failed].payload, failed, traceback=replies[failed].traceback)
+            reply = replies[failed]
+            error = CommandFailed(reply.payload, failed, traceback=reply.traceback)
             self._end_if_group_broken(error)
             raise error
         return [replies[r].payload for r in range(self.plan.world_size)]
@@ -344,9 +344,8 @@ class LoadJob:
         from .runtime.verify import fixed_prompt, verify_forward  # the ranks' imports: on use
 
         ids = fixed_prompt(self.plan)
-        report = verify_forward(self.plan, self.options, ids, self.forward)
-        self.result.verify = report
-        return report
+        self.result.verify = verify_forward(self.plan, self.options, ids, self.forward)
+        return self.result.verify
 
     # --- lifetime ---------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..choices import SIXTEEN_BIT_DTYPES
-from ..errors import LoadError, failed_in, failing_module
+from ..errors import CommandFailed, LoadError, failed_in, failing_module
 from ..models import get_adapter, logits_tolerance, prompt_ids, read_config
 from ..models.config import error_text
 from ..plan import ResolvedPlan
@@ -63,10 +63,10 @@ def verify_forward(
     """The `verify` object of the load JSON: the sharded model's logits of `ids`
     (`sharded_forward`) against the reference's. A sharded forward that fails is checked
     unsharded: if it fails there too, that is the error, not the ranks' (which would blame the
-    plan's cuts)."""
+    plan's cuts). A job that ended meanwhile (cancelled, a rank dead) is not checked."""
     try:
         sharded = sharded_forward(ids)
-    except LoadError:
+    except CommandFailed:
         reference_logits(plan, options, ids)  # raises if the model fails unsharded too
         raise
     return _compare_logits(plan, options, ids, sharded)
