@@ -459,6 +459,25 @@ def test_a_resolved_plan_keeps_its_keys_when_a_reload_changes_the_dtype(warm, ti
         assert [w["code"] for w in result["warnings"]] == [w.code for w in expected.warnings]
 
 
+def test_a_resolved_plan_keeps_its_dtype_when_a_reload_resolves_its_keys_again(
+    warm, tiny, tiny_tied
+):
+    """A reload that changes what a resolved plan was resolved for resolves its keys again
+    with the rest of what it was resolved with: its dtype stays for the same checkpoint;
+    another checkpoint loads in its own."""
+    mlp_only = {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+    for changes, dtype in [
+        ({"source": str(tiny)}, "bfloat16"),
+        ({"plan": mlp_only}, "bfloat16"),
+        ({"source": tiny_tied}, "float32"),
+    ]:
+        warm.job = warm.job.reload(plan=resolve_plan(tiny, 2, dtype="bfloat16"), dtype=None)
+        warm.job.wait(120)
+        warm.job = warm.job.reload(**changes)
+        result = warm.job.wait(120)
+        assert result["dtype"] == dtype and result["plan_matches_shards"], changes
+
+
 def test_a_reload_waits_for_no_call_a_thread_still_runs_on_the_ranks(warm, tmp_path):
     """A reload while another thread's `call` runs is refused: that call's replies would come
     from the next model, and be taken for the next job's."""

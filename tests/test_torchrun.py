@@ -109,6 +109,19 @@ def test_a_rank_asked_for_another_load_or_to_write_into_the_checkpoint_fails_the
     assert [e.t for e in read_events_dir(busy) if e.rank == 0] == [1.0]  # left as it was
 
 
+def test_a_plan_resolved_beforehand_is_loaded_only_for_what_it_was_resolved(tmp_path, tiny):
+    """A ResolvedPlan is executed as it is: a dtype it was not resolved for is refused, and a
+    rank given one resolved otherwise than rank 0's (rank 0's would load without a word)
+    fails every rank."""
+    events = str(tmp_path / "ev")
+    run = _torchrun_load(tmp_path, str(tiny), events, "resolved", "", "bfloat16")
+    assert run.returncode != 0
+    assert "the plan was resolved for dtype float32, not bfloat16" in run.stderr, run.stderr
+    run = _torchrun_load(tmp_path, str(tiny), events, "resolved", "bfloat16")
+    assert run.returncode != 0
+    assert "rank 1: asked for another plan than rank 0's" in run.stderr, run.stderr
+
+
 def test_a_peer_that_exits_before_load_sharded_is_waited_for_only_the_timeout(tmp_path, tiny):
     """torchrun ends every rank when one fails, but not when one exits 0: the others would
     wait in the process group's rendezvous for torch's default 30 minutes."""

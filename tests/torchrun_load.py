@@ -1,7 +1,9 @@
 """Run by tests/test_torchrun.py under `torchrun --nproc-per-node 2`: load_sharded inside the
 process group torchrun made, with an events dir, then one forward. A third argument is
 rank 1's own source argument (rank 0 resolves the plan from the first), a fourth its own
-strategy; a third argument `exit` makes rank 1 exit at once, and rank 0 wait for it 5 s."""
+strategy; a third argument `exit` makes rank 1 exit at once, and rank 0 wait for it 5 s.
+A third argument `resolved` gives every rank a plan resolved beforehand, in the dtype of the
+fourth (rank 1 only), and asks for the dtype of the fifth (every rank)."""
 
 import json
 import os
@@ -17,15 +19,21 @@ import tpviz
 
 if __name__ == "__main__":
     source, events_dir = sys.argv[1], sys.argv[2]
-    strategy, timeout = "sliced", None
-    if sys.argv[3:] == ["exit"]:
+    strategy, timeout, plan, dtype = "sliced", None, None, None
+    if sys.argv[3:4] == ["resolved"]:
+        rank1_dtype, dtype = [given or None for given in (sys.argv[4:] + ["", ""])[:2]]
+        mine = rank1_dtype if os.environ["RANK"] == "1" else None
+        plan = tpviz.resolve_plan(source, 2, dtype=mine)
+    elif sys.argv[3:] == ["exit"]:
         if os.environ["RANK"] == "1":
             sys.exit(0)  # as a program does whose rank 1 finds nothing to do
         timeout = 5.0
     elif len(sys.argv) > 3 and os.environ["RANK"] == "1":  # this rank's own arguments
         source = sys.argv[3]
         strategy = sys.argv[4] if len(sys.argv) > 4 else strategy
-    loaded = tpviz.load_sharded(source, events_dir=events_dir, strategy=strategy, timeout=timeout)
+    loaded = tpviz.load_sharded(
+        source, plan, events_dir=events_dir, strategy=strategy, dtype=dtype, timeout=timeout
+    )
     # the load builds its DTensor parameters without importing torch._dynamo (about a second);
     # the forward, dispatching through DTensor, imports it
     dynamo_in_load = "torch._dynamo" in sys.modules

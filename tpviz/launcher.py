@@ -212,6 +212,9 @@ def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
     )
 
 
+RESOLVED_BY = frozenset({"plan", "source", "dtype", "model", "kv_replication", "experts"})
+
+
 def _reload(args: dict[str, Any], job: LoadJob, changes: dict[str, Any]) -> LoadJob:
     """The next load on `job`'s ranks: `args` (the request that started it) with `changes`."""
     unknown = sorted(set(changes) - set(args))
@@ -223,15 +226,29 @@ def _reload(args: dict[str, Any], job: LoadJob, changes: dict[str, Any]) -> Load
                 f"a reload keeps the ranks' {fixed} ({args[fixed]!r}); launch a new job to "
                 f"change it"
             )
-    resolved_by = {"source", "dtype", "model", "kv_replication", "experts"}
-    if isinstance(args["plan"], ResolvedPlan) and "plan" not in changes:
-        if resolved_by & set(changes):  # a resolved plan is for one source and dtype: its
-            changes = {**changes, "plan": args["plan"].given_patterns}  # keys, resolved again
     plan = changes.get("plan")
     if isinstance(plan, ResolvedPlan):  # it says what it was resolved for, unless changes do
         inherited = {"source": plan.source, "dtype": None, "model": None, "experts": None}
         changes = {**{k: v for k, v in inherited.items() if k not in changes}, **changes}
+    elif isinstance(args["plan"], ResolvedPlan) and RESOLVED_BY & set(changes):
+        # a resolved plan is for one source, dtype and layout: its keys are resolved again
+        changes = {**_resolved_for(args["plan"], changes), **changes}
     return _start({**args, **changes}, warm=job)
+
+
+def _resolved_for(plan: ResolvedPlan, changes: dict[str, Any]) -> dict[str, Any]:
+    """What `plan` was resolved with, for resolving its keys again under `changes`: its
+    layout choices stay; its dtype and model too, unless the source changes (another
+    checkpoint loads in its own dtype, with its own model class, unless they are given)."""
+    kept = {
+        "plan": plan.given_patterns,
+        "experts": plan.experts,
+        "kv_replication": plan.kv_replication,
+    }
+    source = changes.get("source", plan.source)
+    if isinstance(source, str | os.PathLike) and os.path.realpath(source) == plan.source:
+        kept |= {"dtype": plan.dtype, "model": plan.model}
+    return kept
 
 
 def load_next(

@@ -134,11 +134,12 @@ def resolve_and_keep(
     dtype: str | torch.dtype | None = None,
     model: str | None = None,
     kv_replication: bool = True,
-    experts: str = "tp",
+    experts: str | None = None,
 ) -> tuple[ResolvedPlan, SourceModel]:
     """`resolve_plan` of a checkpoint (or config) directory that also hands back what it
     read: a process that goes on to load the source (load_sharded's rank 0) then builds the
     skeleton and reads the headers once, not twice."""
+    experts = experts or "tp"
     check_layout(experts)
     with _gc_paused():
         return _resolve_source(

@@ -42,7 +42,7 @@ def load_sharded(
     profile_dir: str | os.PathLike | None = None,
     profile_forward: bool = False,
     kv_replication: bool = True,
-    experts: str = "tp",
+    experts: str | None = None,
     timeout: float | None = None,
 ) -> ShardedModel:
     """Load a model tensor-parallel inside the caller's process group (e.g. under torchrun).
@@ -132,8 +132,8 @@ def _resolve_on_rank0(
     if dist.get_rank() == 0:
         world = dist.get_world_size()
         try:
-            if isinstance(plan, ResolvedPlan):
-                box = [resolve_plan(source, world, plan)]
+            if isinstance(plan, ResolvedPlan):  # checked against what this call asks for
+                box = [resolve_plan(source, world, plan, **choices)]
             else:
                 resolved, found = resolve_and_keep(source, world, plan, **choices)
                 box = [resolved]
@@ -186,7 +186,10 @@ def _comparable(request: dict[str, Any]) -> dict[str, Any]:
     """A rank's arguments as the ranks compare them: its source as a real path, and its plan
     as the keys it holds (a file is read here, on this rank)."""
     plan = request["plan"]
-    keys = plan.patterns if isinstance(plan, ResolvedPlan) else load_plan_patterns(plan)
+    if isinstance(plan, ResolvedPlan):  # and what it was resolved for
+        keys = (plan.patterns, plan.source, plan.world_size, plan.dtype, plan.model, plan.experts)
+    else:
+        keys = load_plan_patterns(plan)
     return {**request, "source": os.path.realpath(request["source"]), "plan": keys}
 
 
