@@ -13,6 +13,7 @@ import tpviz
 from tpviz.events import Done, Error, Memory, Phase, UnitDone, UnitStart, read_events_dir
 from tpviz.plan import resolve_plan
 from tpviz.runtime.sink import EventSink
+from tpviz.tempdirs import LOCK
 
 from .conftest import REPO
 
@@ -41,8 +42,12 @@ def _torchrun_load(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 def test_load_sharded_under_torchrun_writes_each_ranks_events(tmp_path, tiny):
     events_dir = tmp_path / "events"
+    stale = tmp_path / "pymp-stale"  # as a killed rank leaves its temp dir: locked by no one
+    stale.mkdir()
+    (stale / LOCK).touch()
     run = _torchrun_load(tmp_path, str(tiny), str(events_dir))
     assert run.returncode == 0, run.stderr[-3000:]
+    assert not stale.exists()
     output = json.loads(run.stdout.strip().splitlines()[-1])
     assert output["logits_shape"] == [1, 4, 1000]
     assert output["result"]["plan_matches_shards"]

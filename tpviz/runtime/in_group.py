@@ -21,7 +21,7 @@ from ..outputs import check_output_dir
 from ..plan import ResolvedPlan, resolve_plan
 from ..plan.patterns import load_plan_patterns
 from ..plan.resolve import SourceModel, read_source, resolve_and_keep
-from ..tempdirs import keep_torch_cache_out_of_tmpdir
+from ..tempdirs import keep_torch_cache_out_of_tmpdir, remove_stale_workdirs
 from .loader import ShardedModel, failure_event, init_group, load_in_group, rank_device
 from .options import LoadOptions
 from .sink import EventSink
@@ -55,6 +55,7 @@ def load_sharded(
     group load_sharded makes: every rank must call it within that time (a peer that exited
     first is not waited for 30 minutes), and it bounds each collective of the load.
     """
+    remove_stale_workdirs()  # what killed ranks of earlier jobs left in $TMPDIR
     keep_torch_cache_out_of_tmpdir()  # before a transformers model or a forward imports dynamo
     check_seconds("timeout", timeout)
     local = rank_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
