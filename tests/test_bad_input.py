@@ -786,6 +786,12 @@ def test_load_sharded_outside_a_process_group_says_how_to_run_it(ck, monkeypatch
         tpviz.load_sharded(ck)
     with pytest.raises(ValueError, match="timeout must be a positive, finite number of seconds"):
         tpviz.load_sharded(ck, timeout=0)
+    # a device no rank loads on, said before the process group is joined
+    with pytest.raises(ValueError, match=r"^device must be 'cpu' or 'cuda', not 'meta'$"):
+        tpviz.load_sharded(ck, device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"local rank 0 has none \(0 visible\); load on 'cpu'"):
+            tpviz.load_sharded(ck, device="cuda")
 
 
 def test_load_sharded_in_the_callers_group_leaves_its_timeout_to_the_caller(ck, tmp_path):

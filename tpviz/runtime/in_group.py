@@ -67,7 +67,8 @@ def load_sharded(
     sink = EventSink(rank, events_dir=directory)
     try:
         resolved, found = _resolve_on_rank0(source, plan, choices, options)
-        _agree(resolved, options, unusable, dict(source=source, plan=plan, **choices))
+        request = dict(source=source, plan=plan, device=local.type, **choices)
+        _agree(resolved, options, unusable, request)
         return load_in_group(resolved, options, sink, local, found)
     except BaseException as e:  # the rank's file ends with why, for those who follow it
         sink.emit(failure_event(rank, e))

@@ -67,10 +67,19 @@ def init_group(device: torch.device, **kwargs: Any) -> None:
 
 
 def rank_device(device: str) -> torch.device:
+    """This rank's device: the CPU, or the GPU of its local rank."""
     if device == "cuda":
         index = int(os.environ.get("LOCAL_RANK", "0"))
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if index >= visible:
+            raise ValueError(
+                f"device='cuda' runs one rank per GPU: local rank {index} has none "
+                f"({visible} visible); load on 'cpu'"
+            )
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
+    if device != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
     return torch.device(device)
 
 
