@@ -37,7 +37,7 @@ from .messages import VERIFY_COMMANDS, Beat, CommandName, EventBatch, Reply
 from .models import vocab_size
 from .plan import ResolvedPlan
 from .processes import Ranks
-from .rankserver import rank_imports, server_lost, stop_server
+from .rankserver import load_imports, rank_imports, server_lost, stop_server
 from .results import LoadResult
 from .runtime.options import LoadOptions, WorkerSpec
 from .token_ids import check_token_ids
@@ -225,7 +225,8 @@ class LoadJob:
     def _check_released(self) -> None:
         """On warm ranks, the result says if a rank did not give back the previous model."""
         reference = self._ranks.reference_baselines
-        if reference is None:
+        imports = load_imports(self.plan.source, self.plan.model)
+        if self._ranks.first_to_import(imports) or reference is None:
             self._ranks.reference_baselines = [r.rss_baseline_bytes for r in self.result.ranks]
         else:
             self.result.warn_if_not_released(reference)

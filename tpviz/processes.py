@@ -74,6 +74,7 @@ class Ranks:
         # each rank's RSS before the load whose release later loads are checked against: the
         # first, or the first since the ranks last ran a forward or a call
         self.reference_baselines: list[int] | None = None
+        self._imported: set[str] = set()  # the modules the ranks import for a model, so far
         self.grace = 0.0  # seconds the ranks get to exit by themselves once asked to stop
         self.command_ids = itertools.count()  # unique over the ranks' life, across warm loads
         self._send_lock = threading.Lock()
@@ -87,6 +88,7 @@ class Ranks:
         at once even while the forkserver is still importing (a rank is forked only after
         that), and the pump checks the job meanwhile."""
         ctx = start_server(preload)
+        self._imported = set(preload)
         payload = pickle.dumps(spec)
         environ = {**os.environ, **missing_defaults()}  # now, not when the server started
 
@@ -129,6 +131,13 @@ class Ranks:
             for conn in self.conns:
                 conn.send_bytes(data)
             return True
+
+    def first_to_import(self, imports: set[str]) -> bool:
+        """Whether a load that imports `imports` brings modules new to these ranks: they stay
+        (its resident set, not the previous load's, is what later loads come back to)."""
+        new = not imports <= self._imported
+        self._imported |= imports
+        return new
 
     def request_close(self, grace: float = 0.0, timeout: float = 30.0) -> None:
         """Ask the pump to end everything, and wait for it (unless called from the pump)."""

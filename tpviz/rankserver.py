@@ -68,6 +68,13 @@ def rank_imports(source: str | os.PathLike | None, model: str | None) -> list[st
     return ["transformers", f"transformers.models.{model_type}.modeling_{model_type}"]
 
 
+def load_imports(source: str | os.PathLike | None, model: str | None) -> set[str]:
+    """What a rank imports to load the model at `source`: `rank_imports`, and a factory's
+    module (`pkg.mod` of `pkg.mod:fn`), which the server does not preload."""
+    factory = model.partition(":")[0] if model and ":" in model else None
+    return {*rank_imports(source, model), *([factory] if factory else [])}
+
+
 def start_server(preload: Sequence[str] = ()) -> mp.context.BaseContext:
     """Start the forkserver ranks are forked from (once per process, or again after
     `stop_server`; at once, so that its imports overlap the caller's own work), preloading
