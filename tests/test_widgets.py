@@ -553,6 +553,7 @@ def test_monitor_follows_an_events_dir(monitored):
     follower = tpviz.LoadMonitor.from_events_dir(events_dir, poll_seconds=0.05)
     result = follower.wait(30)
     assert [r["rank"] for r in result["ranks"]] == [0, 1]
+    assert result["world_size"] == 2 and result["plan_matches_shards"] is True
     lines = [t for t in follower.chart.figure.data if t.meta["kind"] == "memory"]
     assert len(lines) == 2 and all(len(t.x) > 1 for t in lines)
     peaks = [t for t in follower.chart.figure.data if t.meta["kind"] == "forecast_peak"]
@@ -577,6 +578,12 @@ def test_a_follower_reads_a_new_loads_file_from_its_start(tmp_path):
     assert [e.t for e in tail.read_new()] == [1.0, 2.0]
     _write_events(tmp_path, [Phase(0, 5.0, name="starting")], mode="w")
     assert [e.t for e in tail.read_new()] == [5.0]
+    # emptied in place (same inode, as load_sharded's ranks do) and grown past where the last
+    # read ended before the next read: still read from its first line
+    with open(events_file(tmp_path, 0), "r+", encoding="utf-8") as f:
+        f.truncate(0)
+        f.writelines(encode(Phase(0, 9.0 + i, name="loading")) + "\n" for i in range(3))
+    assert [e.t for e in tail.read_new()] == [9.0, 10.0, 11.0]
     (tmp_path / "rank7.jsonl").write_text("")  # an earlier run's rank, and a file of the user's
     (tmp_path / "rank.jsonl").write_text("not a rank's")
     remove_rank_files(tmp_path, beyond=1)

@@ -270,13 +270,17 @@ def remove_rank_files(directory: str | os.PathLike, beyond: int = 0) -> None:
 
 class JsonlTail:
     """Follows the `rank*.jsonl` files of an events dir, returning complete new lines. A file
-    replaced by a new load's (another inode, or a shorter file) is read again from its start.
-    A file that is not a regular file, or a whole line that is not a tpviz event, raises a
-    ValueError naming the file (and line)."""
+    begun again by a new load is read again from its start: another inode, a shorter file, or
+    (emptied in place, as `load_sharded`'s ranks do, and grown past where it was read) another
+    first line, whose first event carries the load's start time. A file that is not a regular
+    file, or a whole line that is not a tpviz event, raises a ValueError naming the file (and
+    line)."""
+
+    HEAD_BYTES = 64  # of a file's first line: the first event's time is within them
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
-        self._read: dict[Path, tuple[int, int]] = {}  # path -> (inode, offset)
+        self._read: dict[Path, tuple[int, int, bytes]] = {}  # path -> (inode, offset, head)
         self._partial: dict[Path, bytes] = {}  # a line still being written
         self._lines: dict[Path, int] = {}  # whole lines read
 
@@ -306,14 +310,16 @@ class JsonlTail:
             return None
         with f:
             info = os.fstat(f.fileno())
-            known, offset = self._read.get(path, (info.st_ino, 0))
-            if known != info.st_ino or offset > info.st_size:  # a new file, or one begun again
-                offset = 0
+            known, offset, head = self._read.get(path, (info.st_ino, 0, b""))
+            if known != info.st_ino or offset > info.st_size or f.read(len(head)) != head:
+                offset = 0  # a new file, or one begun again
                 self._partial.pop(path, None)
                 self._lines.pop(path, None)
             f.seek(offset)
             chunk = f.read()
-            self._read[path] = (info.st_ino, f.tell())
+            end = f.tell()
+            f.seek(0)
+            self._read[path] = (info.st_ino, end, f.read(self.HEAD_BYTES))
         return chunk
 
 

@@ -322,7 +322,9 @@ class LoadMonitor(widgets.VBox):
             entries = self.tracker.results() or []
             self.result = LoadResult(
                 strategy=self.label,
+                world_size=len(entries),
                 load_seconds=slowest_load(entries),
+                plan_matches_shards=all(e.plan_matches_shards for e in entries),
                 ranks=entries,
             )
         if self.result is not None and state not in (JobState.FAILED, JobState.CANCELLED):
