@@ -52,3 +52,22 @@ def llama_whose_attention_fails(config: dict) -> nn.Module:
     for layer in model.model.layers:
         layer.self_attn.__class__ = ClampsWithoutBounds
     return model
+
+
+def transformers_llama(config: dict) -> nn.Module:
+    """A `--model` factory: transformers' Llama for the config (its rotary frequencies are a
+    buffer its code computes)."""
+    import transformers
+
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+
+
+class _Rotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+
+def with_a_computed_buffer(config: dict) -> nn.Module:
+    """A `--model` factory whose model computes a buffer and has no way to compute it again."""
+    return nn.Sequential(nn.Embedding(config["vocab_size"], 8), _Rotary())

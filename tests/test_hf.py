@@ -12,6 +12,7 @@ import torch
 
 import tpviz
 from tpviz.models import FIXED_PROMPT
+from tpviz.models.config import ConfigError
 
 from .conftest import REPO, run_cli
 from .hf_tiny import TINY_DIMS
@@ -121,6 +122,32 @@ def test_logits_match_transformers(hf_models, name, world_size):
     assert result["plan_matches_shards"]
     assert result["verify"]["ok"] and result["verify"]["max_abs_diff"] <= 1e-4
     assert (logits - expected).abs().max().item() <= 1e-4
+
+
+def test_a_factorys_computed_buffers_are_made_as_its_code_makes_them_or_refused(hf_models):
+    """A factory's model is built on meta, which loses the buffers its code computes: a
+    transformers model's are made by transformers' init, as `--model hf` makes them; a
+    model that cannot make them again is refused, naming the buffer, not loaded without."""
+    from tpviz.models import FactoryAdapter, build_skeleton, read_config
+
+    config = read_config(hf_models["llama"])
+    adapter = FactoryAdapter("tests.helpers:transformers_llama")
+    model = build_skeleton(adapter, config, torch.float32)
+    adapter.compute_buffers(model, torch.device("cpu"))
+    made = model.model.rotary_emb.inv_freq
+    expected = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).model.rotary_emb
+    assert not made.is_meta and torch.equal(made, expected.inv_freq)
+    adapter = FactoryAdapter("tests.helpers:with_a_computed_buffer")
+    model = build_skeleton(adapter, config, torch.float32)
+    with pytest.raises(ConfigError, match=r"1\.inv_freq \(_Rotary\) is a buffer its code comp"):
+        adapter.compute_buffers(model, torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_a_factory_building_a_transformers_model_loads_and_verifies(hf_models):
+    with tpviz.launch(hf_models["llama"], 2, model="tests.helpers:transformers_llama") as job:
+        job.wait(180)
+        assert job.result["plan_matches_shards"] and job.verify()["ok"]
 
 
 @pytest.mark.slow

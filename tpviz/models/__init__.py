@@ -108,6 +108,33 @@ class FactoryAdapter(ModelAdapter):
             raise ConfigError(f"--model {self.name}: {self.attr} returned {got}, not an nn.Module")
         return model
 
+    def compute_buffers(self, model: nn.Module, device: torch.device) -> None:
+        """Computed buffers (rotary frequencies) lost to the meta build: a transformers model's
+        as transformers' own init makes them, others' by their `tpviz_compute_buffers(device)`;
+        one neither makes is refused, naming it, rather than loaded as nothing."""
+        if type(model).__module__.startswith("transformers."):
+            from .hf import HFAdapter
+
+            HFAdapter(self.config_of(model)).compute_buffers(model, device)
+        else:
+            super().compute_buffers(model, device)
+        unset = next(
+            (
+                (name, type(module).__name__, buffer)
+                for name, module in model.named_modules()
+                for buffer, value in module.named_buffers(recurse=False)
+                if value.is_meta
+            ),
+            None,
+        )
+        if unset is not None:
+            name, kind, buffer = unset
+            raise ConfigError(
+                f"--model {self.name}: {name}.{buffer} ({kind}) is a buffer its code computes, "
+                "and tpviz builds the model on meta: give that module a "
+                "tpviz_compute_buffers(device) method that fills it on `device`"
+            )
+
 
 def _refuse_shipped_code(config: dict[str, Any], model: str | None) -> None:
     """A config naming its own model code (`auto_map`) is refused under `auto`, before

@@ -113,7 +113,10 @@ class ModelAdapter:
         return []
 
     def logits(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        return model(input_ids)
+        """The model's logits: what it returns, or the `logits` of an output object (as a
+        transformers model a factory built returns)."""
+        out = model(input_ids)
+        return out if isinstance(out, torch.Tensor) else out.logits
 
     def vocab_size(self, config: dict[str, Any]) -> int:
         return int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
