@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from tpviz.models import build_skeleton, get_adapter, read_config
 from tpviz.plan import resolve_plan
 
@@ -99,7 +101,7 @@ def moe() -> None:
             resolve_plan(source, 8)  # warm imports
             raw = read_config(source)
             adapter = get_adapter(raw, None, source)
-            skeleton = best_of(lambda a=adapter, c=raw: build_skeleton(a, c), 3)
+            skeleton = best_of(lambda a=adapter, c=raw: build_skeleton(a, c, torch.bfloat16), 3)
             for experts in ("tp", "ep"):
                 plan = resolve_plan(source, 8, experts=experts)
                 t = best_of(lambda s=source, e=experts: resolve_plan(s, 8, experts=e), 3)

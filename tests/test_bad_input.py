@@ -453,7 +453,7 @@ def test_a_plan_giving_one_pattern_twice(ck, capsys):
 @pytest.mark.parametrize("timeout", ["nan", "inf", "0", "-1"])
 def test_load_timeouts_that_are_not_a_positive_finite_time(ck, capsys, timeout):
     err = refused(capsys, "load", ck, "--world-size", "1", "--timeout", timeout)
-    assert "timeout must be a positive, finite number" in err
+    assert "argument --timeout: must be a positive, finite number" in err
 
 
 @pytest.mark.parametrize("command", ["plan", "load"])
@@ -602,9 +602,11 @@ def test_an_index_may_name_files_in_a_subdirectory(ck):
 def test_durations_past_30_days_are_refused_before_any_rank(ck, capsys, option, seconds):
     # gloo overflowed (a hang, "Invalid timeout", no C int) on the ranks past about 9e9 s
     err = refused(capsys, "load", ck, "--world-size", "1", option, seconds)
-    name = option.lstrip("-").replace("-", "_")
-    assert f"{name} must be a positive, finite number of seconds, at most 2592000 (30 days)" in err
+    said = "must be a positive, finite number of seconds, at most 2592000 (30 days)"
+    assert f"argument {option}: {said}, not '{seconds}'" in err  # the flag, not Python's name
     from tpviz.liveness import MAX_SECONDS, check_seconds
+
+    name = option.lstrip("-").replace("-", "_")
 
     check_seconds(name, MAX_SECONDS)  # the bound itself is accepted
 

@@ -73,3 +73,8 @@ def test_arguments_the_parser_refuses_are_json_too_under_json(capsys):
     for flag in ("--events", "--report", "--profile", "--plan", "--model"):  # not "not given"
         assert main(["load", "ck", flag, ""]) == 2
         assert f"argument {flag}: must not be empty" in capsys.readouterr().err
+    # a flag the subcommand lacks points at its help, which lists its flags (tpviz's does not)
+    assert main(["plan", "ck", "--strategy", "sliced"]) == 2
+    assert capsys.readouterr().err == (
+        "tpviz plan: error: unrecognized arguments: --strategy sliced (see tpviz plan --help)\n"
+    )

@@ -12,7 +12,7 @@ import pytest
 from tpviz.cli import main
 from tpviz.format import human_bytes
 
-from .conftest import run_cli, write_config
+from .conftest import REPO, run_cli, write_config
 from .test_plan import LLAMA_70B
 
 
@@ -129,3 +129,20 @@ def test_rows_with_an_unusable_style_are_marked_in_error(tmp_path, tiny, capsys)
 @pytest.mark.slow  # a fresh interpreter: `python -m tpviz` reaches main
 def test_module_entry_point_runs():
     assert run_cli("--help").returncode == 0
+
+
+@pytest.mark.slow  # a fresh interpreter, whose stdout's reader leaves early
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):
+    """`tpviz plan ... | head`: the rest has no reader; the CLI stops as a pipe's writer does
+    (exit 128 + SIGPIPE), without a traceback. The output (a 70B plan's, 80 layers a row per
+    tensor, about 1 MB as JSON) is far more than a pipe holds, so it is still being written."""
+    import subprocess
+    import sys
+
+    source = write_config(tmp_path / "llama70b", **LLAMA_70B)
+    command = [sys.executable, "-m", "tpviz", "plan", str(source), "--full", "--json"]
+    plan = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    plan.stdout.read(10)
+    plan.stdout.close()
+    _, err = plan.communicate(timeout=120)
+    assert plan.returncode == 141 and b"Traceback" not in err, err

@@ -10,6 +10,12 @@ COMPUTE_DTYPES = (*TARGET_DTYPES, "float64")  # what a model computes in: Python
 SIXTEEN_BIT_DTYPES = ("bfloat16", "float16")  # whose rounding verify's bound allows for
 PRESETS = ("tiny", "small", "medium")
 
+# The longest duration accepted (30 days), far above any real load, for every duration
+# argument alike. The load timeout becomes the ranks' collective timeout, which gloo adds in
+# nanoseconds to a clock: from about 9.2e9 s (2**63 ns) that overflows into a hang or an
+# instant time-out, and from 1e13 s gloo refuses it or Python cannot pass it at all.
+MAX_SECONDS = 30 * 24 * 3600
+
 LLAMA_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
 # the rope types tpviz's Llama computes, and what each reads from its scaling beyond rope_theta
 BUILTIN_ROPE_FIELDS = {

@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             start_server(rank_imports(source, model))
         with _stop_signals_interrupt():
             return COMMANDS[args.command](args)
+    except BrokenPipeError:  # stdout's reader left (`| head`): nobody reads the rest
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         print(f"tpviz {args.command}: interrupted ({signum.name}); stopped", file=sys.stderr)

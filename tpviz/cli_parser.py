@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Sequence
 from typing import NoReturn
 
-from .choices import PRESETS, STRATEGIES, TARGET_DTYPES
+from .choices import MAX_SECONDS, PRESETS, STRATEGIES, TARGET_DTYPES
 
 DESCRIPTION = "`tpviz ...`: make checkpoints, show plans, load, compare strategies, and the demo."
 SOURCE_HELP = "checkpoint dir (Hugging Face layout), or a dir holding only config.json"
@@ -17,6 +19,20 @@ def _world_size(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
     return int(text)
+
+
+def _seconds(text: str) -> float:
+    """--timeout, --heartbeat-timeout: said with the flag's name, not the Python argument's."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive, finite number of seconds, at most {MAX_SECONDS} (30 days), "
+            f"not {text!r}"
+        )
+    return value
 
 
 def _given(text: str) -> str:
@@ -40,7 +56,7 @@ def _shared(p: argparse.ArgumentParser) -> None:
         "--model",
         type=_given,
         default="auto",
-        help="auto, builtin, hf or PKG.MOD:FN (default auto)",
+        help="auto, builtin, hf, hf-remote-code or PKG.MOD:FN (default auto)",
     )
     p.add_argument(
         "--no-kv-replication",
@@ -58,7 +74,8 @@ def _shared(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
-def _load_flags(p: argparse.ArgumentParser) -> None:
+def _load_flags(p: argparse.ArgumentParser, each: str = "") -> None:
+    """The flags of a load; `each` is where a comparison writes each strategy's outputs."""
     p.add_argument(
         "--device",
         choices=["cpu", "cuda"],
@@ -78,7 +95,10 @@ def _load_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, help="seed of --init random (default 0)")
     p.add_argument(
-        "--profile", type=_given, metavar="DIR", help="write torch.profiler traces for TensorBoard"
+        "--profile",
+        type=_given,
+        metavar="DIR",
+        help=f"write torch.profiler traces for TensorBoard{each}",
     )
     p.add_argument(
         "--profile-forward",
@@ -86,15 +106,18 @@ def _load_flags(p: argparse.ArgumentParser) -> None:
         help="with --profile, also profile one forward of the fixed prompt",
     )
     p.add_argument(
-        "--events", type=_given, metavar="DIR", help="write each rank's events as rank{r}.jsonl"
+        "--events",
+        type=_given,
+        metavar="DIR",
+        help=f"write each rank's events as rank{{r}}.jsonl{each}",
     )
     p.add_argument(
         "--report", type=_given, metavar="FILE.html", help="write a self-contained HTML report"
     )
-    p.add_argument("--timeout", type=float, help="fail if loading takes longer (seconds)")
+    p.add_argument("--timeout", type=_seconds, help="fail if loading takes longer (seconds)")
     p.add_argument(
         "--heartbeat-timeout",
-        type=float,
+        type=_seconds,
         default=30.0,
         metavar="SECONDS",
         help="fail if a rank stays silent (frozen) this long (default 30)",
@@ -110,6 +133,18 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see {self.prog} --help)", self.prog)
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        """A flag the subcommand does not have points at that subcommand's help (argparse
+        hands such flags up to the top-level parser, whose help lists no flags)."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = getattr(parsed, "command", None)
+            prog = f"{self.prog} {command}" if command else self.prog
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see {prog} --help)", prog)
+        return parsed
 
 
 class UsageError(ValueError):
@@ -165,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="load with every strategy in turn and compare")
     p.add_argument("source", help=SOURCE_HELP)
     _shared(p)
-    _load_flags(p)
+    _load_flags(p, each=", in DIR/<strategy>/ for each strategy")
 
     p = sub.add_parser("demo", help="make the demo checkpoint, show its plan, load it")
     p.add_argument(

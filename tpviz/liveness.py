@@ -3,14 +3,9 @@ what it was doing; and the durations that bound a job, checked."""
 
 from __future__ import annotations
 
+from .choices import MAX_SECONDS
 from .events import RankPhase
 from .tracking import RankProgress
-
-# The longest duration accepted (30 days), far above any real load, for every duration
-# argument alike. The load timeout becomes the ranks' collective timeout, which gloo adds in
-# nanoseconds to a clock: from about 9.2e9 s (2**63 ns) that overflows into a hang or an
-# instant time-out, and from 1e13 s gloo refuses it or Python cannot pass it at all.
-MAX_SECONDS = 30 * 24 * 3600
 
 UNGUARDED_SCRIPT = (
     " before it started; a script that calls tpviz.launch must guard the call with "

@@ -41,4 +41,11 @@ class Channel:
             leave_orphaned()
 
     def recv(self) -> Any:
-        return pickle.loads(self.conn.recv_bytes())
+        """The launcher's next message. Its end closes only once it has ended every rank, so
+        a closed pipe means it died: leave as `send` does, ending what the rank started (a
+        rank leaving any other way would leave that to a launcher that is gone)."""
+        try:
+            data = self.conn.recv_bytes()
+        except (EOFError, OSError):
+            leave_orphaned()
+        return pickle.loads(data)

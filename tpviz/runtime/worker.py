@@ -143,10 +143,7 @@ def set_group_timeout(seconds: float) -> None:
 def _serve(loaded: ShardedModel, channel: Channel) -> WorkerSpec | None:
     """Run commands on the loaded model; the next load's spec on `reload`, None on shutdown."""
     while True:
-        try:
-            command: Command = channel.recv()
-        except (EOFError, OSError):
-            return None
+        command: Command = channel.recv()
         if command.name is CommandName.SHUTDOWN:
             channel.send(Reply(command.command_id, True, None))
             return None
