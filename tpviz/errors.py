@@ -42,8 +42,10 @@ class LoadError(RuntimeError):
 
     @classmethod
     def from_event(cls, event: Error) -> LoadError:
-        where = f" loading {event.module}" if event.module else ""
-        message = f"rank {event.rank} failed{where}: {event.message}"
+        where, said = "", event.message
+        if event.module:  # named once: a rank's own message may begin with it too
+            where, said = f" loading {event.module}", said.removeprefix(f"{event.module}: ")
+        message = f"rank {event.rank} failed{where}: {said}"
         return cls(message, event.rank, event.module, event.file, event.traceback)
 
 
