@@ -597,7 +597,7 @@ def test_a_failed_verify_says_why_in_one_line_without_a_traceback(tiny, tmp_path
     assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr
     (line,) = done.stderr.splitlines()
     # named where the styles break (the rowwise q_proj given the whole hidden state)
-    failed = "tpviz load: verify failed: LoadError: rank 0: forward failed in "
+    failed = "tpviz load: verify failed: CommandFailed: rank 0: forward failed in "
     assert line.startswith(failed + f"model.layers.0.self_attn.{where}: RuntimeError: ")
     assert line.endswith("`tpviz plan --suggest` finds one that runs)")  # what to do
     result = json.loads(done.stdout)
