@@ -141,6 +141,13 @@ def test_shard_report_shows_real_shards_as_planned(job2):
         assert sum(row["bytes"] for row in rows) == job2.plan.per_rank_bytes[rank]
 
 
+def shard_as_held(model, name):
+    """Runs on every rank: the local shard of `name`, a view of the rank's shard block."""
+    from tpviz.models.adapter import local_of
+
+    return [local_of(model.get_parameter(name))]
+
+
 def shard_fingerprint(model, name):
     """Runs on every rank: the local shard of `name`, as held."""
     from tpviz.models.adapter import local_of
@@ -174,6 +181,15 @@ def allocates_more_than_there_is(model):
 
 def returns_what_cannot_be_sent(model):
     return lambda: None
+
+
+def test_a_shard_a_call_returns_comes_back_alone_not_with_the_ranks_whole_block(job2):
+    name = "model.layers.0.mlp.down_proj.weight"
+    for (held,), fingerprint in zip(
+        job2.call(shard_as_held, name), job2.call(shard_fingerprint, name)
+    ):
+        assert held.untyped_storage().nbytes() == held.numel() * held.element_size()
+        assert torch.equal(held, fingerprint)
 
 
 def test_a_failed_call_is_one_line_with_the_traceback_beside_it_and_the_job_lives_on(job2):

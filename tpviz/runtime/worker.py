@@ -167,7 +167,22 @@ def _run_command(loaded: ShardedModel, command: Command) -> Reply:
         payload = COMMANDS[command.name](loaded, *args)
     except Exception as e:
         return _failed(loaded, command, e)
-    return Reply(command.command_id, True, payload)
+    return Reply(command.command_id, True, _own_storage(payload))
+
+
+def _own_storage(value: Any) -> Any:
+    """`value` with each tensor in it (in lists, tuples and dicts) that views a larger
+    storage copied out: pickle sends a tensor's whole storage, and a CPU shard is a view of
+    the block holding all of the rank's shards (runtime/arena.py)."""
+    if type(value) in (torch.Tensor, torch.nn.Parameter):  # not a subclass without storage
+        whole = value.untyped_storage().nbytes()
+        return value.clone() if whole > value.numel() * value.element_size() else value
+    if isinstance(value, list | tuple):
+        items = [_own_storage(v) for v in value]
+        return type(value)(items) if type(value) in (list, tuple) else value
+    if type(value) is dict:
+        return {k: _own_storage(v) for k, v in value.items()}
+    return value
 
 
 def _out_of_memory(error: BaseException) -> bool:
