@@ -169,7 +169,8 @@ def _agree(
     try:
         if options.profile_dir:
             options.profile_dir = check_output_dir(options.profile_dir, "profile dir", plan.source)
-        load = dict(strategy=options.strategy, init=options.init, seed=options.seed)
+        seed = options.seed if options.init == "random" else None  # what it draws, if any
+        load = dict(strategy=options.strategy, init=options.init, seed=seed)
         mine = {**load, **_comparable(request)}
     except Exception as e:  # noqa: BLE001 - said to every rank below: each must reach the broadcast
         problem = str(e)
