@@ -807,3 +807,19 @@ def test_load_sharded_in_the_callers_group_leaves_its_timeout_to_the_caller(ck, 
             tpviz.load_sharded(ck, timeout=5)
     finally:
         dist.destroy_process_group()
+
+
+def test_an_odd_head_dim_is_refused_before_a_checkpoint_or_a_plan(capsys, tmp_path):
+    """Rotary embeddings turn pairs of a head's dimensions: tpviz's Llama with an odd head_dim
+    planned one buffer and built another (a false shard mismatch, then a failed forward)."""
+    odd = ["--hidden", "42", "--heads", "6", "--kv-heads", "6"]
+    err = refused(capsys, "make-checkpoint", tmp_path / "ck", *odd)
+    assert "head_dim 7 is odd; rotary embeddings need an even one" in err
+    assert not (tmp_path / "ck").exists()
+    source = tmp_path / "config-only"
+    source.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 97,
+              "hidden_size": 42, "intermediate_size": 13, "num_hidden_layers": 1,
+              "num_attention_heads": 6, "num_key_value_heads": 6}  # fmt: skip
+    (source / "config.json").write_text(json.dumps(config))
+    assert "head_dim 7 is odd" in refused(capsys, "plan", source, "--model", "builtin")

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 import tpviz
 from tpviz.cli import main
 from tpviz.events import LAUNCHER_RANK, Error, Phase, UnitStart, read_events_dir
+from tpviz.models.demo import make_checkpoint
 from tpviz.plan import resolve_plan
 from tpviz.rankserver import start_server
 
@@ -88,6 +89,26 @@ def expect_failure(source, plan, **kwargs) -> tpviz.LoadError:
         time.sleep(0.1)
     assert children() == []
     return err.value
+
+
+@pytest.mark.slow
+def test_a_forward_that_fails_on_one_rank_while_its_peers_wait_is_blamed_on_it(tmp_path):
+    """A vocabulary of 4 over 3 ranks leaves rank 2 no embedding rows, and DTensor's embedding
+    fails there while ranks 0 and 1 wait in its collective: the error is rank 2's failure,
+    not rank 0 straggling."""
+    dims = dict(layers=1, hidden=12, heads=3, kv_heads=3, vocab=4, intermediate=6)
+    source = make_checkpoint(tmp_path / "ck", "tiny", **dims)
+    with tpviz.launch(source, 3, heartbeat_timeout=5) as job:
+        job.wait(PROMPT)
+        with pytest.raises(tpviz.LoadError) as err:
+            job.forward([1, 2])
+        assert job.state == "failed"
+    said = str(err.value)
+    assert said.startswith("rank 2: forward failed in model.embed_tokens: RuntimeError: ")
+    assert said.endswith(
+        "(the other ranks wait in a collective it never reached; the job was ended)"
+    )
+    assert err.value.rank == 2 and children() == []
 
 
 @pytest.mark.slow

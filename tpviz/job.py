@@ -29,8 +29,8 @@ from .liveness import (
     death_message,
     server_lost_message,
     silence_message,
-    straggler_message,
     timeout_message,
+    unfinished,
     unforked_message,
 )
 from .messages import VERIFY_COMMANDS, Beat, CommandName, EventBatch, Reply
@@ -303,9 +303,9 @@ class LoadJob:
             name, args, lambda: self._admit(name), lambda: self.state.ended, self.heartbeat_timeout
         )
         world = self.plan.world_size
-        if len(replies) < world and not self.state.ended:
-            late = min(set(range(world)) - set(replies))
-            self._rank_failed(late, straggler_message(late, name, self.heartbeat_timeout))
+        blame = unfinished(replies, world, name, self.heartbeat_timeout)
+        if blame is not None and not self.state.ended:
+            self._rank_failed(*blame)
         if self.error is not None:
             raise self.error
         if len(replies) < world:

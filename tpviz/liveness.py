@@ -3,8 +3,11 @@ what it was doing; and the durations that bound a job, checked."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from .choices import MAX_SECONDS
 from .events import RankPhase
+from .messages import Reply
 from .tracking import RankProgress
 
 UNGUARDED_SCRIPT = (
@@ -145,6 +148,22 @@ def straggler_message(rank: int, command: str, seconds: float) -> str:
         "finished it: waiting in a collective they never entered (or working that much longer "
         "alone; a larger heartbeat_timeout allows more); the job was ended"
     )
+
+
+def unfinished(
+    replies: Mapping[int, Reply], world: int, command: str, seconds: float
+) -> tuple[int, str] | None:
+    """For a command not every rank finished (`replies`, by rank, came within `seconds` of
+    each other): the rank to blame and why. A rank that failed it is the cause (its peers wait
+    in a collective it never reached); else the lowest rank that did not reply."""
+    if len(replies) == world:
+        return None
+    failed = next((rank for rank in sorted(replies) if not replies[rank].ok), None)
+    if failed is not None:
+        peers = "the other ranks wait in a collective it never reached; the job was ended"
+        return failed, f"{replies[failed].payload} ({peers})"
+    late = min(set(range(world)) - set(replies))
+    return late, straggler_message(late, command, seconds)
 
 
 def broken_group_message(error: Exception, check: str) -> str:

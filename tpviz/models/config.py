@@ -202,6 +202,11 @@ class LlamaDims:
                 f"config.json: hidden_size {hidden} over {heads} attention heads leaves no "
                 "head_dim; give head_dim or fewer heads"
             )
+        if dims.head_dim % 2:  # rotary embeddings turn pairs of a head's dimensions
+            raise ConfigError(
+                f"config.json: head_dim {dims.head_dim} is odd; rotary embeddings need an "
+                "even one (give head_dim, or a hidden_size and heads whose ratio is even)"
+            )
         return dims
 
 
