@@ -315,11 +315,14 @@ class JsonlTail:
                 offset = 0  # a new file, or one begun again
                 self._partial.pop(path, None)
                 self._lines.pop(path, None)
+                head = b""
             f.seek(offset)
             chunk = f.read()
             end = f.tell()
-            f.seek(0)
-            self._read[path] = (info.st_ino, end, f.read(self.HEAD_BYTES))
+            if len(head) < self.HEAD_BYTES:  # once whole, it stays what it was
+                f.seek(0)
+                head = f.read(self.HEAD_BYTES)
+            self._read[path] = (info.st_ino, end, head)
         return chunk
 
 

@@ -29,7 +29,7 @@ from .outputs import check_output_dir
 from .plan import ResolvedPlan, forecast, resolve_plan
 from .rankserver import rank_imports, start_server
 from .results import LoadResult, add_ratios
-from .runtime.options import LoadOptions, check_strategy
+from .runtime.options import LoadOptions, check_device, check_strategy
 from .strategies import STRATEGIES
 from .tempdirs import keep_torch_cache_out_of_tmpdir
 
@@ -103,18 +103,6 @@ def _check_main_importable() -> None:
         )
 
 
-def _check_device(device: str, world_size: int) -> None:
-    if device == "cuda":
-        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if world_size > available:
-            raise ValueError(
-                f"device='cuda' runs one rank per GPU: {world_size} ranks asked, "
-                f"{available} GPU(s) visible"
-            )
-    elif device != "cpu":
-        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
-
-
 def launch(
     source: str | os.PathLike,
     world_size: int,
@@ -184,7 +172,7 @@ def _start(args: dict[str, Any], warm: LoadJob | None) -> LoadJob:
             "a plan resolved from an in-memory module cannot be launched; pass a "
             "checkpoint directory"
         )
-    _check_device(a.device, a.world_size)
+    check_device(a.device, a.world_size, f"{a.world_size} ranks asked")
     events_dir, profile_dir = a.events_dir, a.profile_dir
     if events_dir is not None:  # "" is refused, not taken for none
         events_dir = check_output_dir(events_dir, "events dir", resolved.source)

@@ -118,22 +118,15 @@ class FactoryAdapter(ModelAdapter):
             HFAdapter(self.config_of(model)).compute_buffers(model, device)
         else:
             super().compute_buffers(model, device)
-        unset = next(
-            (
-                (name, type(module).__name__, buffer)
-                for name, module in model.named_modules()
-                for buffer, value in module.named_buffers(recurse=False)
-                if value.is_meta
-            ),
-            None,
-        )
-        if unset is not None:
-            name, kind, buffer = unset
-            raise ConfigError(
-                f"--model {self.name}: {name}.{buffer} ({kind}) is a buffer its code computes, "
-                "and tpviz builds the model on meta: give that module a "
-                "tpviz_compute_buffers(device) method that fills it on `device`"
-            )
+        for name, module in model.named_modules():
+            for buffer, value in module.named_buffers(recurse=False):
+                if value.is_meta:
+                    raise ConfigError(
+                        f"--model {self.name}: {name}.{buffer} ({type(module).__name__}) is a "
+                        "buffer its code computes, and tpviz builds the model on meta: give "
+                        "that module a tpviz_compute_buffers(device) method that fills it on "
+                        "`device`"
+                    )
 
 
 def _refuse_shipped_code(config: dict[str, Any], model: str | None) -> None:

@@ -31,7 +31,7 @@ from ..strategies import STRATEGIES, Ledger, forecast
 from .executor import LoadContext, LoadFailure
 from .init_check import check_random_init
 from .memory import MemorySampler, PeakRss
-from .options import LoadOptions
+from .options import LoadOptions, check_device
 from .parallelize import apply_styles, leftover_meta, lookup, shard_report
 from .reference import FullModel, plan_skeleton
 from .sink import EventSink
@@ -68,18 +68,11 @@ def init_group(device: torch.device, **kwargs: Any) -> None:
 
 def rank_device(device: str) -> torch.device:
     """This rank's device: the CPU, or the GPU of its local rank."""
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    check_device(device, index + 1, f"local rank {index} has none")
     if device == "cuda":
-        index = int(os.environ.get("LOCAL_RANK", "0"))
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if index >= visible:
-            raise ValueError(
-                f"device='cuda' runs one rank per GPU: local rank {index} has none "
-                f"({visible} visible); load on 'cpu'"
-            )
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
-    if device != "cpu":
-        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
     return torch.device(device)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ..plan import ResolvedPlan
 from ..strategies import STRATEGIES
 
@@ -19,6 +21,19 @@ MIN_MEMORY_HZ, MAX_MEMORY_HZ = 0.1, 1000.0
 def check_strategy(name: str) -> None:
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r} (choose from {', '.join(STRATEGIES)})")
+
+
+def check_device(device: str, gpus: int, lacking: str) -> None:
+    """A device ranks load on: the CPU, or GPUs, one per rank, of which `gpus` must be
+    visible (`lacking` says who would lack one)."""
+    if device == "cuda":
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus > visible:
+            raise ValueError(
+                f"device='cuda' runs one rank per GPU: {lacking} ({visible} visible); load on 'cpu'"
+            )
+    elif device != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
 
 
 @dataclass

@@ -177,9 +177,8 @@ def _own_storage(value: Any) -> Any:
     if type(value) in (torch.Tensor, torch.nn.Parameter):  # not a subclass without storage
         whole = value.untyped_storage().nbytes()
         return value.clone() if whole > value.numel() * value.element_size() else value
-    if isinstance(value, list | tuple):
-        items = [_own_storage(v) for v in value]
-        return type(value)(items) if type(value) in (list, tuple) else value
+    if type(value) in (list, tuple):
+        return type(value)(_own_storage(v) for v in value)
     if type(value) is dict:
         return {k: _own_storage(v) for k, v in value.items()}
     return value
