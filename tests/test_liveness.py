@@ -41,8 +41,8 @@ def sleep_on_rank(model, seconds: float) -> float:
 @pytest.mark.slow
 def test_rank_stopped_mid_load_fails_the_job_naming_it(small):
     # the stop must land before rank 1 ends its load; on a loaded machine the pump may read
-    # rank 1's first unit only after its whole load was sent, and that job then loads: it
-    # proves nothing, so another is started (the outcome decides, not a sleep)
+    # rank 1's phase only after its whole load was sent, and that job then loads: it proves
+    # nothing, so another is started (the outcome decides, not a sleep)
     for _attempt in range(3):
         error = _stop_rank1_mid_load(small)
         if error is not None:
@@ -56,13 +56,15 @@ def test_rank_stopped_mid_load_fails_the_job_naming_it(small):
 
 
 def _stop_rank1_mid_load(source) -> tpviz.LoadError | None:
-    """Stop rank 1 (SIGSTOP) as its first unit starts: the job's error, or None where rank 1
-    had loaded before the stop landed."""
+    """Stop rank 1 (SIGSTOP) as it is ready to load: the job's error, or None where rank 1
+    had loaded before the stop landed. Its phases are sent at once (its units are batched, and
+    its first unit came too late for the stop 3 times running on a loaded machine)."""
     stopped = threading.Event()
     pids: list[int] = []
 
     def stop_rank1(event):
-        if isinstance(event, UnitStart) and event.rank == 1 and not stopped.is_set():
+        ready = isinstance(event, Phase) and event.name in (RankPhase.READY, RankPhase.LOADING)
+        if ready and event.rank == 1 and not stopped.is_set():
             pids.append(job._procs[1].pid)
             os.kill(pids[0], signal.SIGSTOP)
             stopped.set()
